@@ -1,0 +1,19 @@
+"""Train a Gemma 3 model: `python run_training.py [hydra overrides]`. See README.md."""
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from tunix_train import cli
+from tunix_train.config import register_configs
+
+register_configs()
+
+
+@hydra.main(config_path="configs", config_name="config", version_base=None)
+def main(cfg: DictConfig) -> None:
+    cli.run_training(cfg, HydraConfig.get().runtime.output_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Shared test helpers: composing configs and running a few steps in-process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from tunix_train import state as state_lib
+from tunix_train import sharding
+from tunix_train.config import Config, register_configs
+from tunix_train.train import build_setup
+from tunix_train.data.pipeline import GlobalBatches, load_windows
+from tunix_train.train_step import jit_train_step
+
+REPO = Path(__file__).resolve().parent.parent
+register_configs()
+
+# Small enough that a step takes milliseconds on CPU, large enough to exercise every layer kind.
+TINY = [
+    "model.num_layers=7", "model.embed_dim=64", "model.hidden_dim=128", "model.head_dim=16",
+    "model.sliding_window=16", "data.seq_len=32", "data.max_corpus_bytes=400000",
+    "training.mixed_precision=fp32", "optimizer.warmup_steps=2",
+]
+
+
+def compose_config(*overrides: str) -> Config:
+    with initialize_config_dir(str(REPO / "configs"), version_base=None):
+        cfg = compose("config", overrides=list(overrides))
+    return OmegaConf.to_object(cfg)
+
+
+def mesh_arg(fsdp: int, tp: int) -> str:
+    return f'model.mesh_shape=[[{fsdp},{tp}],["fsdp","tp"]]'
+
+
+def train_losses(cfg: Config, steps: int, devices=None) -> tuple[np.ndarray, dict]:
+    """Per-step losses of `steps` steps of the real jitted step; also returns the final state."""
+    setup = build_setup(cfg, devices)
+    windows, _ = load_windows(cfg.data, cfg.model)
+    batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
+    data = GlobalBatches(windows, setup.batch, batch_sharding, cfg.training.seed)
+    state = state_lib.init(cfg, setup.spec, setup.optimizer)
+    step_fn = jit_train_step(setup.spec, setup.optimizer, setup.schedule, setup.options,
+                             batch_sharding)
+    losses = []
+    for step in range(steps):
+        state, metrics = step_fn(state, data.batch(step))
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), state
+
+
+def run_cli(args: list[str], cwd: Path, env_extra: dict | None = None, timeout: int = 600,
+            script: str = "run_training.py") -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(env_extra or {})
+    return subprocess.run(
+        [sys.executable, str(REPO / script), *args], cwd=cwd, env=env, capture_output=True,
+        text=True, timeout=timeout,
+    )

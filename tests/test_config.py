@@ -1,0 +1,54 @@
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from helpers import compose_config
+from tunix_train import config as config_lib
+from tunix_train.config import ConfigError
+from tunix_train.train import batch_shape
+
+
+def test_defaults_compose_into_the_typed_schema():
+    cfg = compose_config()
+    assert isinstance(cfg, config_lib.Config)
+    assert cfg.model.name == "gemma3_tiny" and cfg.data.name == "builtin"
+    assert cfg.model.mesh_shape == [[-1, 1], ["fsdp", "tp"]]
+
+
+@pytest.mark.parametrize("name,layers,dim", [("gemma3_270m", 18, 640), ("gemma3_1b", 26, 1152),
+                                             ("gemma3_4b", 34, 2560)])
+def test_model_group_has_published_dimensions(name, layers, dim):
+    cfg = compose_config(f"model={name}")
+    assert (cfg.model.num_layers, cfg.model.embed_dim, cfg.model.vocab_size) == (
+        layers, dim, 262144)
+
+
+def test_misspelt_key_and_wrong_type_fail_in_hydra():
+    with pytest.raises(ConfigCompositionException):
+        compose_config("training.setps=3")
+    with pytest.raises(ConfigCompositionException):
+        compose_config("training.steps=many")
+
+
+def test_unknown_model_is_a_composition_error():
+    with pytest.raises(ConfigCompositionException, match="gemma3_2b"):
+        compose_config("model=gemma3_2b")
+
+
+@pytest.mark.parametrize("override,match", [
+    ("data.seq_len=0", "data.seq_len must be positive"),
+    ("training.mixed_precision=fp8", "training.mixed_precision='fp8' is not one of"),
+    ("training.zero_stage=4", "training.zero_stage=4 must be"),
+    ("model.num_kv_heads=3", "model.num_heads=4 must be a multiple of model.num_kv_heads=3"),
+    ("training.sync_gradients_every=3", "must divide training.gradient_accumulation_steps"),
+])
+def test_validation_names_the_key(override, match):
+    with pytest.raises(ConfigError, match=match):
+        config_lib.validate(compose_config(override))
+
+
+def test_global_batch_must_divide_over_fsdp_and_accumulation():
+    cfg = compose_config("training.global_batch_size=10", "training.gradient_accumulation_steps=2")
+    with pytest.raises(ConfigError, match=r"global_batch_size=10 does not divide over fsdp=4"):
+        batch_shape(cfg, fsdp=4)
+    cfg = compose_config("training.global_batch_size=16", "training.gradient_accumulation_steps=2")
+    assert batch_shape(cfg, fsdp=4).rows == 8  # micro 2 × fsdp 4

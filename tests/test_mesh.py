@@ -1,0 +1,35 @@
+import jax
+import pytest
+from jax.sharding import AxisType
+
+from tunix_train import mesh as mesh_lib
+from tunix_train.config import ConfigError
+
+
+def test_minus_one_is_filled_from_the_device_count():
+    shape = mesh_lib.parse([[-1, 2], ["fsdp", "tp"]], 8)
+    assert (shape.fsdp, shape.tp) == (4, 2)
+
+
+def test_product_mismatch_names_the_arithmetic():
+    with pytest.raises(ConfigError, match=r"needs 4 × 1 = 4 devices but 8 are available"):
+        mesh_lib.parse([[4, 1], ["fsdp", "tp"]], 8)
+
+
+@pytest.mark.parametrize("bad", [[[4], ["fsdp", "tp"]], [[4, 2], ["data", "tp"]], "4x2",
+                                 [[-1, -1], ["fsdp", "tp"]], [[0, 8], ["fsdp", "tp"]]])
+def test_malformed_mesh_shapes_are_config_errors(bad):
+    with pytest.raises(ConfigError, match="model.mesh_shape"):
+        mesh_lib.parse(bad, 8)
+
+
+def test_mesh_has_auto_axes_and_tp_is_the_fast_axis():
+    mesh = mesh_lib.build(mesh_lib.parse([[4, 2], ["fsdp", "tp"]], 8))
+    assert dict(mesh.shape) == {"fsdp": 4, "tp": 2}
+    assert all(t == AxisType.Auto for t in mesh.axis_types)
+    assert sorted(d.id for d in mesh.devices.flat) == [d.id for d in jax.devices()]
+
+
+def test_axis_order_may_be_swapped():
+    mesh = mesh_lib.build(mesh_lib.parse([[2, 4], ["tp", "fsdp"]], 8))
+    assert dict(mesh.shape) == {"tp": 2, "fsdp": 4}

@@ -1,0 +1,93 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from helpers import TINY, compose_config
+from tunix_train.models.gemma3 import Gemma3, LayerLayout, count_params
+from tunix_train.train_step import loss_sums
+
+
+def _model(*overrides, remat="none"):
+    cfg = compose_config(*TINY, *overrides).model
+    return cfg, Gemma3(cfg, rngs=nnx.Rngs(0), remat=remat)
+
+
+def _tokens(length=48, seed=0):
+    return jax.random.randint(jax.random.key(seed), (2, length), 3, 259)
+
+
+def test_five_local_then_one_global_like_gemma3():
+    cfg = compose_config("model=gemma3_1b").model
+    placement = LayerLayout.of(cfg).placement()
+    kinds = [kind for kind, _ in placement]
+    assert len(kinds) == 26
+    assert [i for i, k in enumerate(kinds) if k == "global"] == [5, 11, 17, 23]
+    # Each kind's stack is indexed in layer order.
+    assert [i for k, i in placement if k == "local"] == list(range(22))
+
+
+@pytest.mark.parametrize("name,expected", [("gemma3_270m", 268e6), ("gemma3_1b", 1.0e9),
+                                           ("gemma3_4b", 3.88e9)])
+def test_published_sizes_have_their_parameter_counts(name, expected):
+    # Text decoder only, embeddings included (4B's published 4.3B includes the vision tower).
+    count = count_params(compose_config(f"model={name}").model)
+    assert abs(count - expected) / expected < 0.03
+
+
+def test_causal_future_tokens_do_not_change_past_logits():
+    _, model = _model()
+    tokens = _tokens()
+    changed = tokens.at[:, 30:].set(5)
+    np.testing.assert_allclose(model(tokens)[:, :30], model(changed)[:, :30], atol=1e-6)
+
+
+def test_local_layers_see_only_their_window_global_layers_see_everything():
+    # One local layer: position p sees tokens p-15..p (window 16, itself included).
+    cfg, local_only = _model("model.num_layers=1")
+    tokens = _tokens()
+    changed = tokens.at[:, 0].set(7)
+    diff = np.abs(np.asarray(local_only(tokens) - local_only(changed))).max(axis=(0, 2))
+    assert diff[cfg.sliding_window - 1] > 0 and np.all(diff[cfg.sliding_window:] == 0)
+    # One global layer (global_every=1) sees the changed first token from every position.
+    _, global_only = _model("model.num_layers=1", "model.global_every=1")
+    diff = np.abs(np.asarray(global_only(tokens) - global_only(changed))).max(axis=(0, 2))
+    assert np.all(diff > 0)
+
+
+def test_trailing_local_layers_run_after_the_blocks():
+    cfg, model = _model("model.num_layers=8")
+    layout = LayerLayout.of(cfg)
+    assert (layout.num_blocks, layout.trailing_locals, layout.num_local) == (1, 2, 7)
+    assert model(_tokens()).shape == (2, 48, cfg.vocab_size)
+
+
+def test_untrained_model_predicts_near_uniform_and_trains_from_scratch():
+    cfg, model = _model()
+    graphdef, params = nnx.split(model)
+    tokens = _tokens(33)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+             "weights": jnp.ones((2, 32), jnp.float32)}
+    loss_fn = lambda p: loss_sums(graphdef, p, batch, jnp.float32)[0] / 64  # noqa: E731
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    assert abs(float(loss) - np.log(cfg.vocab_size)) < 1.0
+    # Every weight matrix gets a gradient: no layer starts dead (zero-initialised kernels would).
+    norms = {jax.tree_util.keystr(k): float(jnp.abs(g).max())
+             for k, g in jax.tree_util.tree_leaves_with_path(grads)}
+    dead = [k for k, v in norms.items() if v == 0]
+    assert not dead, dead
+
+
+def test_remat_changes_memory_not_numbers():
+    tokens = _tokens()
+    outs = []
+    for remat in ("none", "full", "save_dots"):
+        _, model = _model(remat=remat)
+        graphdef, params = nnx.split(model)
+        batch = {"inputs": tokens, "targets": tokens, "weights": jnp.ones(tokens.shape)}
+        grads = jax.grad(lambda p: loss_sums(graphdef, p, batch, jnp.float32)[0])(params)
+        outs.append(jax.tree.leaves(grads))
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

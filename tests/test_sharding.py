@@ -1,0 +1,71 @@
+import jax
+import numpy as np
+import pytest
+
+from helpers import TINY, compose_config, mesh_arg
+from tunix_train import mesh as mesh_lib
+from tunix_train import sharding
+from tunix_train import state as state_lib
+from tunix_train.config import ConfigError
+from tunix_train.train import build_setup
+
+
+def _sharded_over(leaf, axis: str) -> bool:
+    return any(axis == a or (isinstance(a, tuple) and axis in a) for a in leaf.sharding.spec)
+
+
+def test_fsdp_tp_mesh_shards_nearly_every_parameter_byte():
+    cfg = compose_config(*TINY, mesh_arg(4, 2), "training.micro_batch_size=2")
+    setup = build_setup(cfg)
+    params = state_lib.init(cfg, setup.spec, setup.optimizer)["params"]
+    leaves = jax.tree.leaves(params)
+    total = sum(x.nbytes for x in leaves)
+    replicated_over_fsdp = sum(x.nbytes for x in leaves if not _sharded_over(x, "fsdp"))
+    assert replicated_over_fsdp / total <= 0.02
+    _, per_device = state_lib.param_bytes(params)
+    # The single KV head cannot split over tp, so a device holds slightly more than 1/8.
+    assert total / 8 <= per_device <= 1.1 * total / 8
+
+
+def test_zero_stage_below_3_replicates_parameters_but_not_optimizer_state():
+    cfg = compose_config(*TINY, mesh_arg(8, 1), "training.micro_batch_size=1",
+                         "training.zero_stage=1")
+    setup = build_setup(cfg)
+    state = state_lib.init(cfg, setup.spec, setup.optimizer)
+    assert not any(_sharded_over(x, "fsdp") for x in jax.tree.leaves(state["params"]))
+    moments = [x for x in jax.tree.leaves(state["opt_state"]) if x.ndim >= 2]
+    assert moments and all(_sharded_over(x, "fsdp") for x in moments)
+
+
+def test_tp_must_divide_query_heads():
+    cfg = compose_config(*TINY, "model.num_heads=6", "model.num_kv_heads=1")
+    mesh = mesh_lib.build(mesh_lib.parse([[2, 4], ["fsdp", "tp"]], 8))
+    with pytest.raises(ConfigError, match=r"model.num_heads=6 is not divisible by tp=4"):
+        sharding.plan(cfg.model, mesh, 3)
+
+
+def test_single_kv_head_is_replicated_over_tp_not_an_error():
+    cfg = compose_config(*TINY)
+    mesh = mesh_lib.build(mesh_lib.parse([[2, 4], ["fsdp", "tp"]], 8))
+    rules = sharding.resolve_rules(cfg.model, mesh)
+    assert rules["kv_heads"] is None and rules["q_heads"] == "tp"
+
+
+def test_rules_table_is_overridable_and_checked():
+    mesh = mesh_lib.build(mesh_lib.parse([[8, 1], ["fsdp", "tp"]], 8))
+    cfg = compose_config(*TINY, "model.sharding_rules.embed=null")
+    assert sharding.resolve_rules(cfg.model, mesh)["embed"] is None
+    cfg = compose_config(*TINY, "+model.sharding_rules.bogus=fsdp")
+    with pytest.raises(ConfigError, match="unknown logical axes"):
+        sharding.resolve_rules(cfg.model, mesh)
+    cfg = compose_config(*TINY, "model.sharding_rules.mlp=data")
+    with pytest.raises(ConfigError, match="not a mesh axis"):
+        sharding.resolve_rules(cfg.model, mesh)
+
+
+def test_batch_is_split_over_fsdp_and_replicated_over_tp():
+    cfg = compose_config(*TINY, mesh_arg(4, 2), "training.micro_batch_size=2")
+    setup = build_setup(cfg)
+    batch = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
+    x = jax.device_put(np.zeros((1, 8, 32), np.int32), batch)
+    assert {s.data.shape for s in x.addressable_shards} == {(1, 2, 32)}

@@ -1,0 +1,200 @@
+"""Typed configuration: the dataclasses behind the Hydra YAML tree, and their validation.
+
+The dataclasses are registered in Hydra's ConfigStore (``register_configs``) as the schema of
+``configs/config.yaml``, so a misspelt key or a wrong type fails with Hydra's own error before
+anything runs. Library code receives these objects (``Config`` or one sub-config), never a
+``DictConfig``, and never imports Hydra.
+
+Every default is on this screen with its unit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+class ConfigError(ValueError):
+    """A mistake in the user's configuration; its message is one sentence naming key and fix."""
+
+
+DEFAULT_SHARDING_RULES: Dict[str, Optional[str]] = {
+    # Parameters. `embed` is the dimension FSDP (ZeRO-3) shards; the rest is tensor parallelism.
+    "vocab": "tp",
+    "embed": "fsdp",
+    "mlp": "tp",
+    "q_heads": "tp",
+    "kv_heads": "tp",  # dropped automatically when tp does not divide num_kv_heads (MQA)
+    "head_dim": None,
+    "layers": None,
+    "norm": None,
+    # Activations.
+    "act_batch": "fsdp",
+    "act_seq": None,
+    "act_embed": None,
+    "act_mlp": "tp",
+    "act_q_heads": "tp",
+    "act_kv_heads": "tp",
+    "act_vocab": "tp",
+}
+
+
+@dataclass
+class ModelConfig:
+    name: str = "gemma3_tiny"
+    num_layers: int = 6
+    embed_dim: int = 128  # d_model
+    hidden_dim: int = 512  # GeGLU width
+    num_heads: int = 4  # query heads
+    num_kv_heads: int = 1  # 1 = multi-query attention
+    head_dim: int = 32
+    vocab_size: int = 512  # >= the tokenizer's vocabulary; extra rows are never produced by data
+    sliding_window: int = 64  # tokens a local layer attends to, itself included
+    global_every: int = 6  # every 6th layer is global (Gemma 3's 5 local : 1 global)
+    local_rope_base: float = 10_000.0
+    global_rope_base: float = 1_000_000.0
+    global_rope_scale: float = 1.0  # linear RoPE scaling on global layers (8 for 4B)
+    query_pre_attn_scalar: Optional[float] = None  # softmax scale is its -1/2 power; None = head_dim
+    rms_norm_eps: float = 1e-6
+    attention_impl: str = "auto"  # auto | xla | cudnn (jax.nn.dot_product_attention)
+    mesh_shape: List[Any] = field(default_factory=lambda: [[-1, 1], ["fsdp", "tp"]])
+    sharding_rules: Dict[str, Optional[str]] = field(
+        default_factory=lambda: dict(DEFAULT_SHARDING_RULES)
+    )
+
+
+@dataclass
+class DataConfig:
+    name: str = "builtin"
+    path: Optional[str] = None  # local file or glob; the builtin corpus needs none
+    tokenizer: str = "byte"
+    seq_len: int = 256  # tokens per training sequence
+    max_corpus_bytes: int = 8_000_000  # cap on the builtin corpus read from disk
+    validation_fraction: float = 0.05  # held-out share of documents
+    eval_batches: int = 4  # validation batches per evaluation
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"
+    lr: float = 3e-3  # peak learning rate
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at training.steps
+    weight_decay: float = 0.1  # decoupled; not applied to norm scales
+    grad_clip: float = 1.0  # global L2 norm; 0 disables
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 200  # optimizer steps
+    seed: int = 0
+    micro_batch_size: int = 8  # sequences per fsdp shard per micro-step
+    global_batch_size: Optional[int] = None  # if set, micro_batch_size is derived from it
+    gradient_accumulation_steps: int = 1
+    sync_gradients_every: Optional[int] = None  # micro-steps between reductions; None = once per step
+    mixed_precision: str = "auto"  # bf16 | fp32 | auto (bf16 on accelerators, fp32 on CPU)
+    zero_stage: int = 3  # 0 DDP, 1 +optimizer state sharded, 2 +gradients, 3 +parameters (FSDP)
+    remat: str = "none"  # none | full | save_dots: activation recomputation per layer
+    eval_every_steps: int = 0  # 0 = evaluate only at the end
+    profile_communication: bool = False
+    nan_policy: str = "halt"  # halt | skip
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0  # 0 = only at the end
+    keep: int = 3
+    resume_from: Optional[str] = None
+    init_params_from: Optional[str] = None
+
+
+@dataclass
+class LoggingConfig:
+    every_steps: int = 10
+    progress: str = "auto"  # auto (when stdout is a terminal) | always | never
+    peak_tflops: Optional[float] = None  # per device, for MFU; None = look up the device kind
+
+
+@dataclass
+class ExperimentConfig:
+    name: str = "default"
+
+
+@dataclass
+class DistributedConfig:
+    init_timeout_s: int = 300  # waiting for every process to join
+    heartbeat_timeout_s: int = 100  # a silent process is declared dead after this
+    step_timeout_s: int = 900  # a step (after the first) slower than this is a hang
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+
+def register_configs() -> None:
+    """Registers the schema so `configs/config.yaml` can list `base_config` first in its defaults."""
+    from hydra.core.config_store import ConfigStore  # the one Hydra import, kept local
+
+    ConfigStore.instance().store(name="base_config", node=Config)
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation that needs no devices. Checks that need the mesh live in mesh.py and sharding.py.
+
+_CHOICES = {
+    ("training", "mixed_precision"): ("auto", "bf16", "fp32"),
+    ("training", "remat"): ("none", "full", "save_dots"),
+    ("training", "nan_policy"): ("halt", "skip"),
+    ("model", "attention_impl"): ("auto", "xla", "cudnn"),
+    ("logging", "progress"): ("auto", "always", "never"),
+}
+
+_POSITIVE = (
+    ("model", "num_layers"), ("model", "embed_dim"), ("model", "hidden_dim"),
+    ("model", "num_heads"), ("model", "num_kv_heads"), ("model", "head_dim"),
+    ("model", "vocab_size"), ("model", "sliding_window"), ("model", "global_every"),
+    ("data", "seq_len"), ("training", "steps"), ("training", "micro_batch_size"),
+    ("training", "gradient_accumulation_steps"), ("logging", "every_steps"),
+)
+
+
+def validate(cfg: Config) -> None:
+    """Raises ConfigError for the first mistake found, before any device work."""
+    for section, key in _POSITIVE:
+        value = getattr(getattr(cfg, section), key)
+        if value <= 0:
+            raise ConfigError(f"{section}.{key} must be positive, got {value}.")
+    for (section, key), allowed in _CHOICES.items():
+        value = getattr(getattr(cfg, section), key)
+        if value not in allowed:
+            raise ConfigError(f"{section}.{key}={value!r} is not one of {', '.join(allowed)}.")
+    if cfg.training.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"training.zero_stage={cfg.training.zero_stage} must be 0, 1, 2 or 3.")
+    m = cfg.model
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(
+            f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads="
+            f"{m.num_kv_heads} (grouped-query attention); change one of them."
+        )
+    accum, sync = cfg.training.gradient_accumulation_steps, cfg.training.sync_gradients_every
+    if sync is not None and (sync <= 0 or accum % sync):
+        raise ConfigError(
+            f"training.sync_gradients_every={sync} must divide "
+            f"training.gradient_accumulation_steps={accum}."
+        )

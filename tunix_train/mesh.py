@@ -1,0 +1,124 @@
+"""`model.mesh_shape` → `jax.sharding.Mesh`. The only module that spells the mesh axis names.
+
+`mesh_shape` is `[[sizes...], [names...]]`, e.g. `[[4, 2], ["fsdp", "tp"]]`; one size may be -1
+and is filled from the device count. Devices are ordered so that `tp` groups stay inside one
+process (one host or GPU group) and `fsdp` spans processes: tensor parallelism communicates every
+layer, data parallelism once per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from tunix_train.config import ConfigError
+
+FSDP = "fsdp"
+TP = "tp"
+AXES = (FSDP, TP)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    sizes: tuple[int, ...]
+    names: tuple[str, ...]
+
+    def size(self, axis: str) -> int:
+        return self.sizes[self.names.index(axis)]
+
+    @property
+    def fsdp(self) -> int:
+        return self.size(FSDP)
+
+    @property
+    def tp(self) -> int:
+        return self.size(TP)
+
+    def describe(self) -> str:
+        return " × ".join(f"{n}={s}" for n, s in zip(self.names, self.sizes))
+
+
+def parse(mesh_shape: Sequence[Any], num_devices: int) -> MeshShape:
+    """Checks `model.mesh_shape` against the device count and fills a single -1."""
+    sizes, names = _split(mesh_shape)
+    if sorted(names) != sorted(AXES):
+        raise ConfigError(
+            f"model.mesh_shape names {list(names)} must be exactly {list(AXES)} in some order."
+        )
+    if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
+        raise ConfigError(
+            f"model.mesh_shape sizes {list(sizes)} must be positive, with at most one -1."
+        )
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if num_devices % known:
+            raise ConfigError(
+                f"model.mesh_shape {list(sizes)} cannot fill -1: {num_devices} devices are not "
+                f"divisible by {known}; choose sizes whose product divides {num_devices}."
+            )
+        sizes = tuple(num_devices // known if s == -1 else s for s in sizes)
+    if math.prod(sizes) != num_devices:
+        arithmetic = " × ".join(map(str, sizes))
+        raise ConfigError(
+            f"model.mesh_shape {list(sizes)} needs {arithmetic} = {math.prod(sizes)} devices but "
+            f"{num_devices} are available; make the product {num_devices} or use -1 on one axis."
+        )
+    return MeshShape(tuple(sizes), tuple(names))
+
+
+def _split(mesh_shape: Sequence[Any]) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    try:
+        sizes, names = mesh_shape
+        sizes, names = tuple(int(s) for s in sizes), tuple(str(n) for n in names)
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"model.mesh_shape={mesh_shape!r} must look like [[4,2],[\"fsdp\",\"tp\"]]."
+        ) from None
+    if len(sizes) != len(names):
+        raise ConfigError(
+            f"model.mesh_shape gives {len(sizes)} sizes for {len(names)} axis names."
+        )
+    return sizes, names
+
+
+def build(shape: MeshShape, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Arranges devices into the mesh with Auto axis types (sharded matmuls need Auto)."""
+    devices = list(devices if devices is not None else jax.devices())
+    ordered = _device_grid(shape, devices)
+    return Mesh(ordered, shape.names, axis_types=(AxisType.Auto,) * len(shape.names))
+
+
+def _device_grid(shape: MeshShape, devices: list[jax.Device]) -> np.ndarray:
+    """Device array in the order of `shape.names`, tp kept inside a process where it fits."""
+    processes = sorted({d.process_index for d in devices})
+    fsdp, tp = shape.fsdp, shape.tp
+    if len(processes) == 1:
+        grid = mesh_utils.create_device_mesh((fsdp, tp), devices)
+    else:
+        grid = _hybrid_grid(fsdp, tp, devices, len(processes))
+    return grid if shape.names == AXES else grid.T
+
+
+def _hybrid_grid(fsdp: int, tp: int, devices: list[jax.Device], nprocs: int) -> np.ndarray:
+    local = len(devices) // nprocs
+    if local % tp == 0:
+        ici, dcn = (local // tp, tp), (nprocs, 1)
+    elif tp % local == 0:
+        log.warning(
+            "model.mesh_shape puts tp=%d across processes of %d devices each: every layer "
+            "will communicate between processes; prefer tp <= %d.", tp, local, local,
+        )
+        ici, dcn = (1, local), (fsdp, tp // local)
+    else:
+        ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+        return np.array(ordered).reshape(fsdp, tp)
+    return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=True)

@@ -1,0 +1,110 @@
+"""Where numbers go: TensorBoard (tensorboardX), metrics.jsonl, train.log and a progress bar.
+
+Only process 0 writes files; every process logs (other ranks only warnings and errors, see
+`setup_process_logging`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import jax
+
+from tunix_train.config import LoggingConfig
+
+log = logging.getLogger("tunix_train")
+
+
+def setup_process_logging(process_index: int) -> None:
+    """Rank 0 logs in full; other ranks only warnings and errors, prefixed with their rank."""
+    if process_index == 0:
+        return
+    root = logging.getLogger()
+    root.setLevel(logging.WARNING)
+    for handler in root.handlers:
+        fmt = handler.formatter._fmt if handler.formatter else "%(message)s"  # noqa: SLF001
+        handler.setFormatter(logging.Formatter(f"[rank {process_index}] {fmt}"))
+
+
+class MetricsWriter:
+    """Scalars to TensorBoard and metrics.jsonl; text (config, mesh, reports) to TensorBoard."""
+
+    def __init__(self, run_dir: Path, cfg: LoggingConfig, total_steps: int, first_step: int = 0):
+        self.enabled = jax.process_index() == 0
+        self._tb = self._jsonl = self._bar = None
+        if not self.enabled:
+            return
+        from tensorboardX import SummaryWriter  # imported lazily: only process 0 needs it
+
+        self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self._jsonl = (run_dir / "metrics.jsonl").open("a")
+        show = cfg.progress == "always" or (cfg.progress == "auto" and sys.stdout.isatty())
+        if show:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=first_step, unit="step",
+                             dynamic_ncols=True, file=sys.stdout)
+
+    def text(self, tag: str, text: str) -> None:
+        if self._tb is not None:
+            # TensorBoard renders text as Markdown; indenting keeps tables and JSON monospaced.
+            self._tb.add_text(tag, "    " + text.replace("\n", "\n    "), 0)
+
+    def scalars(self, step: int, values: dict[str, float], group: str = "train") -> None:
+        if not self.enabled:
+            return
+        for name, value in values.items():
+            self._tb.add_scalar(f"{group}/{name}", value, step)
+        record = {"step": step, **({f"{group}_{k}": v for k, v in values.items()}
+                                   if group != "train" else values)}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        self._tb.flush()
+
+    def progress(self, step: int, values: dict[str, float]) -> None:
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.set_postfix(loss=f"{values['loss']:.4f}",
+                                  tok_s=f"{values['tokens_per_s']:,.0f}", refresh=True)
+
+    @contextlib.contextmanager
+    def console(self) -> Iterator[None]:
+        """Routes console log lines through the progress bar so they do not tear it."""
+        if self._bar is None:
+            yield
+            return
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        with logging_redirect_tqdm():
+            yield
+
+    def close(self) -> None:
+        for closable in (self._bar, self._tb, self._jsonl):
+            if closable is not None:
+                closable.close()
+
+
+class Throughput:
+    """Wall-clock rate over each logging interval (the host does not wait on the device per step)."""
+
+    def __init__(self, step: int):
+        self._step, self._time = step, time.perf_counter()
+
+    def interval(self, step: int, tokens_per_step: int) -> dict[str, float]:
+        now = time.perf_counter()
+        steps = max(step - self._step, 1)
+        seconds = now - self._time
+        self._step, self._time = step, now
+        return {"step_time_s": seconds / steps, "tokens_per_s": tokens_per_step * steps / seconds}
+
+
+def format_line(step: int, total: int, values: dict[str, Any]) -> str:
+    return (f"step {step}/{total} | loss {values['loss']:.4f} | lr {values['lr']:.2e} | "
+            f"grad_norm {values['grad_norm']:.3f} | {values['tokens_per_s']:,.0f} tok/s | "
+            f"{values['step_time_s']:.3f} s/step")

@@ -1,0 +1,146 @@
+"""Gemma 3 building blocks in Flax NNX. Parameters carry logical axis names only.
+
+Shapes are written into names: B batch, L sequence, D embed, N query heads, K KV heads,
+H head dim, F MLP width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tunix_train.config import ModelConfig
+from tunix_train.sharding import constrain
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int) -> jax.Array:
+    # Scaled normal init for every matrix. Never zeros: Gemma's reference zero-initialises MLP
+    # kernels because it expects a checkpoint, which from scratch never trains.
+    return jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5
+
+
+def _param(value: jax.Array, *logical_axes: str) -> nnx.Param:
+    # Shardings are applied by jit's out_shardings (see state.py), so a model can also be built
+    # with no mesh at all (tests, the planner's eval_shape).
+    return nnx.Param(value, out_sharding=logical_axes, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm with Gemma's (1 + scale), computed in fp32 whatever the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        self.scale = _param(jnp.zeros((dim,), jnp.float32), "norm")
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+
+
+class Embedder(nnx.Module):
+    """Token embedding scaled by sqrt(D) on the way in, tied to the output projection."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        shape = (cfg.vocab_size, cfg.embed_dim)
+        self.embedding = _param(_normal(rngs, shape, cfg.embed_dim), "vocab", "embed")
+        self.embed_dim = cfg.embed_dim
+
+    def encode(self, tokens_BxL: jax.Array) -> jax.Array:
+        table_VxD = self.embedding[...]
+        x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0)
+        return x_BxLxD * jnp.asarray(self.embed_dim**0.5, x_BxLxD.dtype)
+
+    def decode(self, x_BxLxD: jax.Array) -> jax.Array:
+        logits_BxLxV = jnp.einsum("bld,vd->blv", x_BxLxD, self.embedding[...])
+        return constrain(logits_BxLxV, ("act_batch", "act_seq", "act_vocab"))
+
+
+def rope_tables(positions_BxL: jax.Array, head_dim: int, base: float, scale: float):
+    """cos/sin of shape [B, L, 1, H] for rotate-half RoPE (linear scaling divides positions)."""
+    fraction = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+    inv_freq = 1.0 / (base**fraction) / scale
+    angles_BxLxH2 = positions_BxL[..., None].astype(jnp.float32) * inv_freq
+    angles_BxLxH = jnp.concatenate([angles_BxLxH2, angles_BxLxH2], axis=-1)[:, :, None, :]
+    return jnp.cos(angles_BxLxH), jnp.sin(angles_BxLxH)
+
+
+def apply_rope(x_BxLxNxH: jax.Array, cos_sin: tuple[jax.Array, jax.Array]) -> jax.Array:
+    cos, sin = cos_sin
+    half = x_BxLxNxH.shape[-1] // 2
+    x1, x2 = x_BxLxNxH[..., :half], x_BxLxNxH[..., half:]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    out = x_BxLxNxH.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin
+    return out.astype(x_BxLxNxH.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with per-head RMSNorm of queries and keys."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q = _param(_normal(rngs, (D, N, H), D), "embed", "q_heads", "head_dim")
+        self.k = _param(_normal(rngs, (D, K, H), D), "embed", "kv_heads", "head_dim")
+        self.v = _param(_normal(rngs, (D, K, H), D), "embed", "kv_heads", "head_dim")
+        self.o = _param(_normal(rngs, (N, H, D), N * H), "q_heads", "head_dim", "embed")
+        self.q_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.scale = (cfg.query_pre_attn_scalar or H) ** -0.5
+        self.implementation = None if cfg.attention_impl == "auto" else cfg.attention_impl
+
+    def __call__(self, x_BxLxD, cos_sin, segment_ids_BxL, window: int | None) -> jax.Array:
+        q_BxLxNxH = jnp.einsum("bld,dnh->blnh", x_BxLxD, self.q[...])
+        k_BxLxKxH = jnp.einsum("bld,dkh->blkh", x_BxLxD, self.k[...])
+        v_BxLxKxH = jnp.einsum("bld,dkh->blkh", x_BxLxD, self.v[...])
+        q_BxLxNxH = constrain(q_BxLxNxH, ("act_batch", "act_seq", "act_q_heads", None))
+        k_BxLxKxH = constrain(k_BxLxKxH, ("act_batch", "act_seq", "act_kv_heads", None))
+        v_BxLxKxH = constrain(v_BxLxKxH, ("act_batch", "act_seq", "act_kv_heads", None))
+        q_BxLxNxH = apply_rope(self.q_norm(q_BxLxNxH), cos_sin)
+        k_BxLxKxH = apply_rope(self.k_norm(k_BxLxKxH), cos_sin)
+        mask = None
+        if segment_ids_BxL is not None:
+            mask = segment_ids_BxL[:, None, :, None] == segment_ids_BxL[:, None, None, :]
+        out_BxLxNxH = jax.nn.dot_product_attention(
+            q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mask=mask, scale=self.scale, is_causal=True,
+            local_window_size=(window - 1, 0) if window else None,
+            implementation=self.implementation,
+        )
+        out_BxLxNxH = constrain(out_BxLxNxH, ("act_batch", "act_seq", "act_q_heads", None))
+        return jnp.einsum("blnh,nhd->bld", out_BxLxNxH, self.o[...])
+
+
+class MLP(nnx.Module):
+    """GeGLU: down(gelu_tanh(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        D, F = cfg.embed_dim, cfg.hidden_dim
+        self.gate = _param(_normal(rngs, (D, F), D), "embed", "mlp")
+        self.up = _param(_normal(rngs, (D, F), D), "embed", "mlp")
+        self.down = _param(_normal(rngs, (F, D), F), "mlp", "embed")
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        gate_BxLxF = jnp.einsum("bld,df->blf", x_BxLxD, self.gate[...])
+        up_BxLxF = jnp.einsum("bld,df->blf", x_BxLxD, self.up[...])
+        h_BxLxF = jax.nn.gelu(gate_BxLxF, approximate=True) * up_BxLxF
+        h_BxLxF = constrain(h_BxLxF, ("act_batch", "act_seq", "act_mlp"))
+        return jnp.einsum("blf,fd->bld", h_BxLxF, self.down[...])
+
+
+class DecoderLayer(nnx.Module):
+    """Norms before and after both attention and MLP, as in Gemma 2 and 3."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        eps = cfg.rms_norm_eps
+        self.pre_attention_norm = RMSNorm(cfg.embed_dim, eps)
+        self.attention = Attention(cfg, rngs)
+        self.post_attention_norm = RMSNorm(cfg.embed_dim, eps)
+        self.pre_mlp_norm = RMSNorm(cfg.embed_dim, eps)
+        self.mlp = MLP(cfg, rngs)
+        self.post_mlp_norm = RMSNorm(cfg.embed_dim, eps)
+
+    def __call__(self, x_BxLxD, cos_sin, segment_ids_BxL, window: int | None) -> jax.Array:
+        attn = self.attention(self.pre_attention_norm(x_BxLxD), cos_sin, segment_ids_BxL, window)
+        x_BxLxD = x_BxLxD + self.post_attention_norm(attn)
+        x_BxLxD = x_BxLxD + self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x_BxLxD)))
+        return constrain(x_BxLxD, ("act_batch", "act_seq", "act_embed"))

@@ -1,0 +1,34 @@
+"""AdamW with linear warm-up, cosine decay, decoupled weight decay and global-norm clipping."""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from tunix_train.config import OptimizerConfig
+
+
+def schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
+    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
+        decay_steps=max(total_steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio,
+    )
+
+
+def _decay_mask(params):
+    # Norm scales multiply (1 + scale): decaying them would pull every norm toward identity
+    # for no regularisation benefit.
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: getattr(path[-1], "key", None) != "scale", params
+    )
+
+
+def build(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
+    adamw = optax.adamw(
+        schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+        weight_decay=cfg.weight_decay, mask=_decay_mask,
+    )
+    if cfg.grad_clip > 0:
+        return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
+    return adamw

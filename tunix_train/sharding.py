@@ -1,0 +1,160 @@
+"""The logical → mesh axis table, checked once, and every sharding derived from it.
+
+Model code names logical axes only (`("embed", "mlp")`, `("act_batch", "act_seq", ...)`); this
+module turns them into `PartitionSpec`s. `training.zero_stage` picks what is sharded over `fsdp`:
+
+    stage   parameters   gradients   optimizer state
+      0     replicated   replicated  replicated        (DDP: gradients all-reduced)
+      1     replicated   replicated  sharded
+      2     replicated   sharded     sharded           (gradients reduce-scattered)
+      3     sharded      sharded     sharded           (FSDP: parameters all-gathered before use)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+import jax
+import optax
+from flax import nnx
+from flax.core import spmd as flax_spmd
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tunix_train.config import DEFAULT_SHARDING_RULES, ConfigError, ModelConfig
+from tunix_train.mesh import FSDP, TP
+
+log = logging.getLogger(__name__)
+
+LogicalRules = tuple[tuple[str, str | None], ...]
+
+# Logical axes whose size must be divisible by the mesh axis they map to, or the run cannot shard
+# them; the others fall back to replication (e.g. a single KV head under tp).
+_MUST_DIVIDE = ("vocab", "embed", "mlp", "q_heads")
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """Rules for each kind of state; `params` also drives the model's activation constraints."""
+
+    params: LogicalRules
+    grads: LogicalRules
+    optimizer: LogicalRules
+
+
+def logical_dims(model: ModelConfig) -> dict[str, int]:
+    """Size of each logical axis for this model (activations share their parameter's size)."""
+    dims = {
+        "vocab": model.vocab_size, "embed": model.embed_dim, "mlp": model.hidden_dim,
+        "q_heads": model.num_heads, "kv_heads": model.num_kv_heads, "head_dim": model.head_dim,
+    }
+    dims.update({f"act_{k}": v for k, v in dims.items()})
+    return dims
+
+
+def resolve_rules(model: ModelConfig, mesh: Mesh) -> dict[str, str | None]:
+    """`model.sharding_rules` checked against the mesh and the model's dimensions."""
+    rules = dict(model.sharding_rules)
+    unknown = sorted(set(rules) - set(DEFAULT_SHARDING_RULES))
+    if unknown:
+        raise ConfigError(
+            f"model.sharding_rules has unknown logical axes {unknown}; "
+            f"known ones are {sorted(DEFAULT_SHARDING_RULES)}."
+        )
+    for name in DEFAULT_SHARDING_RULES:
+        rules.setdefault(name, None)
+    dims = logical_dims(model)
+    for name, axis in rules.items():
+        if axis is not None and axis not in mesh.shape:
+            raise ConfigError(
+                f"model.sharding_rules.{name}={axis!r} is not a mesh axis; use one of "
+                f"{list(mesh.shape)} or null."
+            )
+        if axis is None or name not in dims or dims[name] % mesh.shape[axis] == 0:
+            continue
+        if name.removeprefix("act_") in _MUST_DIVIDE:
+            key = _DIM_KEYS[name.removeprefix("act_")]
+            raise ConfigError(
+                f"model.{key}={dims[name]} is not divisible by {axis}={mesh.shape[axis]} from "
+                f"model.mesh_shape; choose a {axis} size that divides {dims[name]}."
+            )
+        log.info("%s=%d does not divide over %s=%d: replicated instead.",
+                 name, dims[name], axis, mesh.shape[axis])
+        rules[name] = None
+    return rules
+
+
+_DIM_KEYS = {"vocab": "vocab_size", "embed": "embed_dim", "mlp": "hidden_dim",
+             "q_heads": "num_heads"}
+
+
+def plan(model: ModelConfig, mesh: Mesh, zero_stage: int) -> ShardingPlan:
+    rules = resolve_rules(model, mesh)
+    sharded = tuple(rules.items())
+    unsharded = tuple(
+        (name, None if axis == FSDP and not name.startswith("act_") else axis)
+        for name, axis in rules.items()
+    )
+    return ShardingPlan(
+        params=sharded if zero_stage >= 3 else unsharded,
+        grads=sharded if zero_stage >= 2 else unsharded,
+        optimizer=sharded if zero_stage >= 1 else unsharded,
+    )
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh, rules: LogicalRules) -> Iterator[None]:
+    """Mesh and logical rules in effect for the model's activation constraints while tracing.
+
+    Usable inside a jitted function (where only the abstract mesh may be set) and outside.
+    """
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nnx.logical_axis_rules(rules):
+        yield
+
+
+def constrain(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
+    """Activation sharding constraint by logical names; a no-op outside `activate`."""
+    rules = dict(flax_spmd.get_logical_axis_rules())
+    mesh = jax.sharding.get_abstract_mesh()
+    if not rules or mesh.empty:
+        return x
+    axes = [rules.get(name) if name else None for name in logical_axes]
+    axes = [a if a and dim % mesh.shape[a] == 0 else None for a, dim in zip(axes, x.shape)]
+    return jax.lax.with_sharding_constraint(x, P(*axes))
+
+
+def state_shardings(abstract_state: Any, mesh: Mesh, rules: LogicalRules) -> Any:
+    """NamedShardings for an `nnx.State` of Variables carrying logical `out_sharding` metadata."""
+    with nnx.logical_axis_rules(rules):
+        return nnx.get_named_sharding(abstract_state, mesh)
+
+
+def optimizer_shardings(
+    optimizer: optax.GradientTransformation, abstract_opt_state: Any, param_shardings: Any,
+    mesh: Mesh,
+) -> Any:
+    """Optimizer moments share their parameter's sharding; scalars (counts) are replicated."""
+    replicated = NamedSharding(mesh, P())
+    return optax.tree_utils.tree_map_params(
+        optimizer, lambda _, s: s, abstract_opt_state, param_shardings,
+        transform_non_params=lambda _: replicated,
+    )
+
+
+def batch_sharding(mesh: Mesh, rules: Mapping[str, str | None], leading: int = 0) -> NamedSharding:
+    """[leading..., batch, seq] arrays: batch over the data axis, everything else replicated."""
+    return NamedSharding(mesh, P(*([None] * leading), rules.get("act_batch"), None))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def fsdp_size(mesh: Mesh) -> int:
+    return mesh.shape[FSDP]
+
+
+def tp_size(mesh: Mesh) -> int:
+    return mesh.shape[TP]
