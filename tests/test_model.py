@@ -90,4 +90,4 @@ def test_remat_changes_memory_not_numbers():
         outs.append(jax.tree.leaves(grads))
     for other in outs[1:]:
         for a, b in zip(outs[0], other):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.abs(a).max()))

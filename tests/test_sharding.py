@@ -15,7 +15,7 @@ def _sharded_over(leaf, axis: str) -> bool:
 
 
 def test_fsdp_tp_mesh_shards_nearly_every_parameter_byte():
-    cfg = compose_config(*TINY, mesh_arg(4, 2), "training.micro_batch_size=2")
+    cfg = compose_config(mesh_arg(4, 2), "training.micro_batch_size=2")  # gemma3_tiny itself
     setup = build_setup(cfg)
     params = state_lib.init(cfg, setup.spec, setup.optimizer)["params"]
     leaves = jax.tree.leaves(params)
@@ -24,7 +24,7 @@ def test_fsdp_tp_mesh_shards_nearly_every_parameter_byte():
     assert replicated_over_fsdp / total <= 0.02
     _, per_device = state_lib.param_bytes(params)
     # The single KV head cannot split over tp, so a device holds slightly more than 1/8.
-    assert total / 8 <= per_device <= 1.1 * total / 8
+    assert total / 8 <= per_device <= 1.05 * total / 8
 
 
 def test_zero_stage_below_3_replicates_parameters_but_not_optimizer_state():
@@ -34,7 +34,8 @@ def test_zero_stage_below_3_replicates_parameters_but_not_optimizer_state():
     state = state_lib.init(cfg, setup.spec, setup.optimizer)
     assert not any(_sharded_over(x, "fsdp") for x in jax.tree.leaves(state["params"]))
     moments = [x for x in jax.tree.leaves(state["opt_state"]) if x.ndim >= 2]
-    assert moments and all(_sharded_over(x, "fsdp") for x in moments)
+    sharded = sum(x.nbytes for x in moments if _sharded_over(x, "fsdp"))
+    assert sharded / sum(x.nbytes for x in moments) >= 0.98
 
 
 def test_tp_must_divide_query_heads():

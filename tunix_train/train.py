@@ -57,6 +57,11 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
     train_step = jit_train_step(setup.spec, setup.optimizer, setup.schedule, setup.options,
                                 batch_sharding)
     evaluate = _evaluator(setup, eval_data, batch_sharding)
+    if int(jax.device_get(state["step"])) == 0:
+        # The reference for "did it learn": the same validation batches before any update.
+        initial = evaluate(state["params"])
+        writer.scalars(0, {"loss": initial}, group="eval")
+        log.info("validation loss before training %.4f", initial)
     try:
         with writer.console():
             state, summary = _loop(setup, state, train_step, train_data, evaluate, writer)

@@ -102,15 +102,15 @@ class Gemma3(nnx.Module):
         global_step = self._scan_step(self.global_layers, global_rope, segment_ids_BxL, None)
         n_blocked = layout.num_blocks * layout.locals_per_block
         if layout.num_blocks:
-            local_params = self._state(self.local_layers)
             blocked = jax.tree.map(
                 lambda a: a[:n_blocked].reshape(layout.num_blocks, layout.locals_per_block,
                                                 *a.shape[1:]),
-                local_params,
+                self._state(self.local_layers),
             )
 
             def block(x, params):
-                x, _ = jax.lax.scan(local_step, x, params[0])
+                if layout.locals_per_block:
+                    x, _ = jax.lax.scan(local_step, x, params[0])
                 return global_step(x, params[1])
 
             x_BxLxD, _ = jax.lax.scan(block, x_BxLxD, (blocked, self._state(self.global_layers)))

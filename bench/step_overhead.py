@@ -1,0 +1,111 @@
+"""Framework train step vs a hand-written minimal `jax.jit` step: same model, batch and mesh.
+
+    python bench/step_overhead.py                      # all local devices on fsdp
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/step_overhead.py \
+        'model.mesh_shape=[[4,2],["fsdp","tp"]]' training.micro_batch_size=2
+
+Any Hydra override of run_training.py is accepted. Both steps are compiled, warmed up, then
+timed in alternating rounds so that machine noise hits both alike. The last line is JSON with
+`ratio` = framework / hand-written median step time (goal <= 1.03).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from tunix_train import sharding
+from tunix_train import state as state_lib
+from tunix_train.config import register_configs
+from tunix_train.train import build_setup
+from tunix_train.train_step import jit_train_step
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+ROUNDS, STEPS_PER_ROUND, WARMUP = 5, 4, 2
+
+
+def hand_written_step(graphdef, optimizer, compute_dtype):
+    """What a user would write by hand: mean cross-entropy, grad, optax update. Nothing else."""
+
+    def step(params, opt_state, tokens):
+        def loss_fn(p):
+            p = jax.tree.map(lambda x: x.astype(compute_dtype), p)
+            logits = nnx.merge(graphdef, p)(tokens[:, :-1]).astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def timed(fn, steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(steps):
+        out = fn()
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / steps
+
+
+def main(overrides: list[str]) -> dict:
+    register_configs()
+    with initialize_config_dir(str(CONFIGS), version_base=None):
+        cfg = OmegaConf.to_object(compose("config", overrides=overrides))
+    setup = build_setup(cfg)
+    assert setup.batch.accum == 1, "compare without accumulation: the hand-written step has none"
+    batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, 259, (1, setup.batch.rows, setup.batch.seq_len + 1), np.int32)
+    batch = jax.device_put({"inputs": tokens[..., :-1], "targets": tokens[..., 1:],
+                            "weights": np.ones(tokens[..., 1:].shape, np.float32)}, batch_sharding)
+
+    framework = jit_train_step(setup.spec, setup.optimizer, setup.schedule, setup.options,
+                               batch_sharding)
+    fw_state = [state_lib.init(cfg, setup.spec, setup.optimizer)]
+
+    def framework_step():
+        fw_state[0], metrics = framework(fw_state[0], batch)
+        return metrics["loss"]
+
+    hand = hand_written_step(setup.spec.graphdef, setup.optimizer, setup.options.compute_dtype)
+    init = state_lib.init(cfg, setup.spec, setup.optimizer)
+    hw_state = [init["params"], init["opt_state"]]
+    hw_tokens = jax.device_put(tokens[0], sharding.batch_sharding(setup.mesh,
+                                                                  dict(setup.plan.params)))
+
+    def hand_step():
+        hw_state[0], hw_state[1], loss = hand(hw_state[0], hw_state[1], hw_tokens)
+        return loss
+
+    for fn in (framework_step, hand_step):
+        timed(fn, WARMUP)
+    fw_times, hw_times = [], []
+    for _ in range(ROUNDS):
+        fw_times.append(timed(framework_step, STEPS_PER_ROUND))
+        hw_times.append(timed(hand_step, STEPS_PER_ROUND))
+    fw, hw = statistics.median(fw_times), statistics.median(hw_times)
+    result = {
+        "ratio": round(fw / hw, 4), "framework_step_s": round(fw, 5),
+        "hand_written_step_s": round(hw, 5), "devices": jax.device_count(),
+        "device_kind": jax.devices()[0].device_kind, "mesh": dict(setup.mesh.shape),
+        "model": cfg.model.name, "tokens_per_step": setup.tokens_per_step,
+    }
+    print(f"framework {fw * 1e3:.1f} ms/step, hand-written {hw * 1e3:.1f} ms/step")
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,57 @@
+"""Commands shown in README.md and docs/: all must compose, the important ones must run."""
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, TINY, compose_config, run_cli
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def shown_commands(path: Path, script: str = "run_training.py") -> list[str]:
+    """Shell lines inside ```bash blocks that invoke `script`."""
+    blocks = re.findall(r"```bash\n(.*?)```", path.read_text(), flags=re.S)
+    lines = [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()]
+    return [line for line in lines if f"python {script}" in line]
+
+
+def split_command(line: str, script: str = "run_training.py") -> tuple[dict, list[str]]:
+    """(environment assignments, Hydra overrides) of one shown command."""
+    words = shlex.split(line.split("&&")[-1])
+    at = words.index(script)
+    env = dict(w.split("=", 1) for w in words[: at - 1] if "=" in w)
+    return env, words[at + 1:]
+
+
+ALL = [(p.name, c) for p in DOCS for c in shown_commands(p)]
+
+
+@pytest.mark.parametrize("page,command", ALL, ids=[f"{p}:{i}" for i, (p, _) in enumerate(ALL)])
+def test_every_shown_training_command_composes(page, command):
+    _, words = split_command(command)
+    flags_with_values = {i + 1 for i, w in enumerate(words) if w in ("--cfg", "-c")}
+    overrides = [w for i, w in enumerate(words) if not w.startswith("-")
+                 and i not in flags_with_values]
+    compose_config(*overrides)
+
+
+RUNNABLE = shown_commands(REPO / "docs" / "distributed_training.md")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", RUNNABLE, ids=[f"mesh{i}" for i in range(len(RUNNABLE))])
+def test_parallelism_guide_commands_train(tmp_path, command):
+    env, overrides = split_command(command)
+    # The guide's commands, shortened: a tiny model and two steps.
+    result = run_cli([*overrides, *TINY, "training.steps=2", "training.micro_batch_size=2",
+                      f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, env_extra=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().strip()
+
+
+def test_docs_show_the_parallelism_examples():
+    meshes = {tuple(split_command(c)[1][0:1]) for c in RUNNABLE}
+    assert {("model.mesh_shape=[[1,1],[\"fsdp\",\"tp\"]]",), ("model.mesh_shape=[[2,2],[\"fsdp\",\"tp\"]]",)} <= meshes
