@@ -65,10 +65,10 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
     try:
         with writer.console():
             state, summary = _loop(setup, state, train_step, train_data, evaluate, writer)
-        summary["eval_loss"] = evaluate(state["params"])
-        writer.scalars(summary["final_step"], {"loss": summary["eval_loss"]}, group="eval")
-        log.info("final validation loss %.4f (step %d)", summary["eval_loss"],
-                 summary["final_step"])
+            summary["eval_loss"] = evaluate(state["params"])
+            writer.scalars(summary["final_step"], {"loss": summary["eval_loss"]}, group="eval")
+            log.info("final validation loss %.4f (step %d)", summary["eval_loss"],
+                     summary["final_step"])
     finally:
         writer.close()
     return summary
@@ -142,7 +142,7 @@ def _loop(setup: Setup, state, train_step, data: GlobalBatches, evaluate, writer
     first_step = int(jax.device_get(state["step"]))
     throughput, pending, summary = Throughput(first_step), None, {}
     for step in range(first_step, total):
-        state, metrics = train_step(state, data.batch(step))
+        state, metrics = train_step(state, next(data))
         if pending is not None:
             _report(pending, setup, throughput, writer, summary)
         done = step + 1

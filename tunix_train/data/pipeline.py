@@ -79,7 +79,11 @@ def _local_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> slice
 
 
 class GlobalBatches:
-    """Step-indexed global batches: `batch(step)` → dict of [accum, rows, seq_len] jax.Arrays."""
+    """Global batches: dicts of [accum, rows, seq_len] jax.Arrays, by step or as an iterator.
+
+    The iterator's position is its whole state (`get_state`/`set_state`, JSON-serialisable),
+    saved with every checkpoint so a resumed run reads exactly the batches it would have read.
+    """
 
     def __init__(self, windows: np.ndarray, shape: BatchShape, sharding: NamedSharding,
                  seed: int, shuffle: bool = True):
@@ -89,6 +93,21 @@ class GlobalBatches:
         self.sharding = sharding
         global_shape = (shape.accum, shape.rows, shape.seq_len)
         self.rows = _local_rows(sharding, global_shape)
+        self.next_step = 0
+
+    def __iter__(self) -> "GlobalBatches":
+        return self
+
+    def __next__(self) -> dict[str, jax.Array]:
+        batch = self.batch(self.next_step)
+        self.next_step += 1
+        return batch
+
+    def get_state(self) -> dict:
+        return {"next_step": self.next_step}
+
+    def set_state(self, state: dict) -> None:
+        self.next_step = int(state["next_step"])
 
     def batch(self, step: int) -> dict[str, jax.Array]:
         shape = self.shape
