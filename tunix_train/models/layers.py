@@ -87,7 +87,7 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.scale = (cfg.query_pre_attn_scalar or H) ** -0.5
-        self.implementation = None if cfg.attention_impl == "auto" else cfg.attention_impl
+        self.implementation = cfg.attention_impl
 
     def __call__(self, x_BxLxD, cos_sin, segment_ids_BxL, window: int | None) -> jax.Array:
         q_BxLxNxH = jnp.einsum("bld,dnh->blnh", x_BxLxD, self.q[...])
@@ -104,10 +104,19 @@ class Attention(nnx.Module):
         out_BxLxNxH = jax.nn.dot_product_attention(
             q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mask=mask, scale=self.scale, is_causal=True,
             local_window_size=(window - 1, 0) if window else None,
-            implementation=self.implementation,
+            implementation=self._implementation(q_BxLxNxH.dtype),
         )
         out_BxLxNxH = constrain(out_BxLxNxH, ("act_batch", "act_seq", "act_q_heads", None))
         return jnp.einsum("blnh,nhd->bld", out_BxLxNxH, self.o[...])
+
+
+    def _implementation(self, dtype) -> str:
+        if self.implementation != "auto":
+            return self.implementation
+        # jax's own default is XLA, which materialises [B, N, L, L] scores: on GPUs use cuDNN's
+        # flash attention whenever it supports the dtype.
+        half = dtype in (jnp.bfloat16, jnp.float16)
+        return "cudnn" if half and jax.default_backend() == "gpu" else "xla"
 
 
 class MLP(nnx.Module):
