@@ -18,7 +18,8 @@ from tunix_train import distributed, optim, sharding
 from tunix_train import mesh as mesh_lib
 from tunix_train import state as state_lib
 from tunix_train.config import Config, ConfigError
-from tunix_train.data.pipeline import BatchShape, GlobalBatches, load_windows
+from tunix_train.data import pipeline
+from tunix_train.data.pipeline import BatchShape, GlobalBatches
 from tunix_train.metrics import MetricsWriter, Throughput, format_line, setup_process_logging
 from tunix_train.train_step import StepOptions, jit_eval_step, jit_train_step
 
@@ -48,7 +49,7 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
     distributed.initialize(cfg.distributed)
     setup_process_logging(jax.process_index())
     setup = build_setup(cfg)
-    train_data, eval_data = _data(setup)
+    data = _data(setup)
     writer = MetricsWriter(run_dir, cfg.logging, cfg.training.steps)
     _log_startup(setup, writer)
     state = state_lib.init(cfg, setup.spec, setup.optimizer)
@@ -56,7 +57,7 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
     batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
     train_step = jit_train_step(setup.spec, setup.optimizer, setup.schedule, setup.options,
                                 batch_sharding)
-    evaluate = _evaluator(setup, eval_data, batch_sharding)
+    evaluate = _evaluator(setup, data.eval_batches, batch_sharding)
     if int(jax.device_get(state["step"])) == 0:
         # The reference for "did it learn": the same validation batches before any update.
         initial = evaluate(state["params"])
@@ -64,12 +65,13 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
         log.info("validation loss before training %.4f", initial)
     try:
         with writer.console():
-            state, summary = _loop(setup, state, train_step, train_data, evaluate, writer)
+            state, summary = _loop(setup, state, train_step, data.train, evaluate, writer)
             summary["eval_loss"] = evaluate(state["params"])
             writer.scalars(summary["final_step"], {"loss": summary["eval_loss"]}, group="eval")
             log.info("final validation loss %.4f (step %d)", summary["eval_loss"],
                      summary["final_step"])
     finally:
+        data.close()
         writer.close()
     return summary
 
@@ -113,22 +115,18 @@ def compute_dtype(mixed_precision: str) -> jnp.dtype:
     return jnp.bfloat16 if mixed_precision == "bf16" else jnp.float32
 
 
-def _data(setup: Setup) -> tuple[GlobalBatches, GlobalBatches]:
+def _data(setup: Setup) -> pipeline.Data:
     cfg = setup.cfg
-    train_windows, eval_windows = load_windows(cfg.data, cfg.model)
     batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
-    train = GlobalBatches(train_windows, setup.batch, batch_sharding, cfg.training.seed)
-    eval_shape = BatchShape(accum=1, rows=setup.batch.rows, seq_len=setup.batch.seq_len)
-    evaluation = GlobalBatches(eval_windows, eval_shape, batch_sharding, seed=0, shuffle=False)
-    return train, evaluation
+    return pipeline.build(cfg.data, cfg.model, cfg.training.seed, setup.batch, batch_sharding)
 
 
-def _evaluator(setup: Setup, data: GlobalBatches, batch_sharding) -> Callable[[Any], float]:
+def _evaluator(setup: Setup, batches: list[pipeline.Batch],
+               batch_sharding) -> Callable[[Any], float]:
     eval_step = jit_eval_step(setup.spec, setup.options, batch_sharding)
 
     def evaluate(params) -> float:
-        batches = range(setup.cfg.data.eval_batches)
-        sums = jax.device_get([eval_step(params, data.batch(i)) for i in batches])
+        sums = jax.device_get([eval_step(params, batch) for batch in batches])
         loss, tokens = (sum(float(pair[k]) for pair in sums) for k in (0, 1))
         return loss / max(tokens, 1.0)
 
