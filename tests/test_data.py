@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import TINY, compose_config, mesh_arg
+from helpers import TINY, compose_config, mesh_arg, run_cli
+from tunix_train import config as config_lib
 from tunix_train import sharding
 from tunix_train import state as state_lib
 from tunix_train.config import ConfigError
@@ -259,6 +260,22 @@ def _bad_inputs(corpus, tmp):
     }
 
 
+@pytest.mark.parametrize("override,match", [
+    ("data.packing=greedy", "data.packing='greedy' is not one of concat, first_fit"),
+    ("data.dtype=int8", "data.dtype='int8' is not one of uint16, uint32"),
+    ("data.validation_fraction=0", "data.validation_fraction=0.0 must be between 0 and 1"),
+    ("data.prompt_field=q", "data.prompt_field and data.response_field go together"),
+    ("data.name=csv", "data.name='csv' is not one of builtin, text, jsonl, parquet, tokens"),
+    ("data.tokenizer=tiktoken:x", "data.tokenizer='tiktoken:x' is not byte, sentencepiece:"),
+    ("data.tokenizer=none", "data.tokenizer=none suits only data=tokens"),
+])
+def test_data_keys_are_checked_before_anything_is_read(override, match):
+    with pytest.raises(ConfigError, match=match):
+        cfg = _cfg(override)
+        config_lib.validate(cfg)
+        _build(cfg)
+
+
 def test_bad_input_is_one_sentence_naming_the_key(corpus, tmp_path):
     for case, (overrides, message) in _bad_inputs(corpus, tmp_path).items():
         with pytest.raises(ConfigError) as error:
@@ -267,3 +284,35 @@ def test_bad_input_is_one_sentence_naming_the_key(corpus, tmp_path):
         assert message in text, (case, text)
         assert "\n" not in text and text.endswith("."), case
         assert "data." in text or "model." in text, case
+
+
+# ---------------------------------------------------------------------------------------------
+# As users run it.
+
+@pytest.mark.slow
+def test_a_run_on_local_files_evaluates_every_n_steps(corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli([*TINY, "model.num_layers=2", "data=jsonl",  # 2 layers: a shorter compile
+                      f"data.path={corpus}/docs.jsonl",
+                      f"data.tokenizer=sentencepiece:{corpus}/spm.model", "training.steps=4",
+                      "training.eval_every_steps=2", "logging.every_steps=2",
+                      f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    assert [step for step, _ in evals] == [0, 2, 4]
+    assert evals[-1][1] < evals[0][1]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("eval/loss")] == [0, 2, 4]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["glob matches nothing", "vocab larger than the model's"])
+def test_bad_input_on_the_command_line_exits_with_one_sentence(corpus, tmp_path, case):
+    overrides, message = _bad_inputs(corpus, tmp_path)[case]
+    result = run_cli([*TINY, *overrides, f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and message in output and "Traceback" not in output, output
