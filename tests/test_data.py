@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import TINY, compose_config, mesh_arg, run_cli
+from helpers import REPO, TINY, compose_config, mesh_arg, run_cli
 from tunix_train import config as config_lib
 from tunix_train import sharding
 from tunix_train import state as state_lib
@@ -316,3 +316,21 @@ def test_bad_input_on_the_command_line_exits_with_one_sentence(corpus, tmp_path,
     result = run_cli([*TINY, *overrides, f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path)
     output = result.stdout + result.stderr
     assert result.returncode == 2 and message in output and "Traceback" not in output, output
+
+
+def test_data_guide_commands_read_the_demo_files(corpus, tmp_path, monkeypatch):
+    """docs/data.md's commands, run from a directory holding `demo_data/` as the guide says,
+    up to their first batch (the training itself is the same for every source)."""
+    from test_docs import shown_commands, split_command
+
+    (tmp_path / "demo_data").symlink_to(corpus)
+    monkeypatch.chdir(tmp_path)
+    commands = shown_commands(REPO / "docs" / "data.md")
+    assert len(commands) >= 12
+    for command in commands:
+        _, overrides = split_command(command)
+        cfg = compose_config(*TINY, *overrides, mesh_arg(1, 1), "training.micro_batch_size=2")
+        data = _build(cfg)
+        batch = _host(next(data.train))
+        data.close()
+        assert batch["weights"].sum() > 0, command
