@@ -3,7 +3,8 @@
 Usage: data_order_worker.py OUT_DIR BATCHES RESTORE_STATE OVERRIDE... (rank and world from the
 environment, as `tunix_train.distributed` reads them). Writes `rank<R>.npz` with the global
 batches it took part in, the batch after restoring RESTORE_STATE, and `rank<R>.json` with the
-iterator state after BATCHES batches and the documents this process read.
+iterator state after BATCHES batches and the training documents (file pieces) this process
+read.
 """
 
 import json
@@ -28,7 +29,7 @@ def _record_reads(read: list[str]) -> None:
     original = sources.TextFiles.__getitem__
 
     def getitem(self, index):
-        read.append(self.files[index].name)
+        read.append(f"{self.files[self.file_ids[index]].name}@{self.starts[index]}")
         return original(self, index)
 
     sources.TextFiles.__getitem__ = getitem
@@ -59,8 +60,9 @@ def main(out: Path, count: int, restore: Path, overrides: list[str]) -> None:
     # Held-out documents are few and shared by all rows of the evaluation batches: count only
     # training documents.
     held_out = {f.name for f in sources.load(cfg.data, cfg.model.vocab_size).validation.files}
+    read = {piece for piece in read if piece.split("@")[0] not in held_out}
     (out / f"rank{rank}.json").write_text(json.dumps(
-        {"state": state, "read": sorted(set(read) - held_out), "rows": list(data.train.rows),
+        {"state": state, "read": sorted(read), "rows": list(data.train.rows),
          "devices": jax.local_device_count()}))
 
 

@@ -142,6 +142,19 @@ def test_every_row_is_full_or_padded_with_zero_weight(corpus):
     assert np.all(batch["weights"][segments == 0] == 0)
 
 
+@pytest.mark.parametrize("piece_bytes", [1, 2, 5, 64, 10_000])
+def test_text_files_are_read_in_pieces_that_tile_them(tmp_path, piece_bytes):
+    from tunix_train.data.sources import TextFiles
+
+    text = "naïve café ✓ 😀 " * 20 + "end"  # 1- to 4-byte characters
+    (tmp_path / "a.txt").write_text(text)
+    files = TextFiles([tmp_path / "a.txt"], piece_bytes)
+    pieces = [files[i] for i in range(len(files))]
+    assert "".join(p.text for p in pieces) == text  # cut only between characters, nothing lost
+    assert [p.first for p in pieces] == [True] + [False] * (len(pieces) - 1)
+    assert [p.last for p in pieces] == [False] * (len(pieces) - 1) + [True]
+
+
 def test_sft_weights_only_the_response(corpus):
     from tunix_train.data.tokenizer import ByteTokenizer
 

@@ -1,7 +1,8 @@
 """Raw documents → features → rows of `data.seq_len` packed by Grain.
 
 A document becomes `inputs`, `targets` (inputs shifted by one) and per-token loss `weights`:
-BOS + text + EOS, all targets weighted 1; for SFT, BOS + prompt + response + EOS with weight 0 on
+BOS + text + EOS, all targets weighted 1 (a piece of a long file gets BOS only if it is the
+file's first, EOS only if its last); for SFT, BOS + prompt + response + EOS with weight 0 on
 every target inside the prompt, so the loss counts the response (and its EOS) only.
 
 Grain's packers then fill rows of `seq_len` and add `segment_ids` (1, 2, … per document in the
@@ -23,6 +24,7 @@ import grain
 import numpy as np
 from grain import experimental as grain_x
 
+from tunix_train.data.sources import Piece
 from tunix_train.data.tokenizer import Tokenizer
 
 FEATURES = ("inputs", "targets", "weights")
@@ -38,10 +40,12 @@ def featurizer(kind: str, tokenizer: Tokenizer | None) -> Callable[[Any], dict]:
                              tokenizer=tokenizer)
 
 
-def _wrap(tokenizer: Tokenizer, ids: np.ndarray) -> tuple[np.ndarray, int]:
-    """BOS + ids + EOS (each where the tokenizer has one); also the number of leading BOS."""
-    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
-    eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+def _wrap(tokenizer: Tokenizer, ids: np.ndarray, first: bool = True,
+          last: bool = True) -> tuple[np.ndarray, int]:
+    """BOS + ids + EOS (where the tokenizer has them, and only at the document's own start and
+    end); also the number of leading BOS."""
+    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None and first else []
+    eos = [tokenizer.eos_id] if tokenizer.eos_id is not None and last else []
     return np.concatenate([bos, ids, eos]).astype(np.int32), len(bos)
 
 
@@ -51,8 +55,9 @@ def _shifted(ids: np.ndarray, weights: np.ndarray, pad_id: int) -> dict[str, np.
     return {"inputs": ids[:-1], "targets": ids[1:], "weights": weights}
 
 
-def text_features(text: str, tokenizer: Tokenizer) -> dict[str, np.ndarray]:
-    ids, _ = _wrap(tokenizer, tokenizer.encode(text))
+def text_features(document: str | Piece, tokenizer: Tokenizer) -> dict[str, np.ndarray]:
+    piece = document if isinstance(document, Piece) else Piece(document, True, True)
+    ids, _ = _wrap(tokenizer, tokenizer.encode(piece.text), piece.first, piece.last)
     return _shifted(ids, np.ones(max(len(ids) - 1, 0), np.float32), tokenizer.pad_id)
 
 

@@ -3,8 +3,9 @@ training and a held-out part.
 
 A source only indexes its files at start-up (file names, line offsets, Parquet row counts, token
 counts); a document's text is read when the pipeline asks for it, so each process reads only the
-documents of its own batch rows. Raw documents are `str` (text), `(prompt, response)` pairs (SFT)
-or int32 windows of `seq_len + 1` ids (the `tokens` source, already tokenized and cut).
+documents of its own batch rows. Raw documents are `Piece`s of text files, `str` (records),
+`(prompt, response)` pairs (SFT) or int32 windows of `seq_len + 1` ids (the `tokens` source,
+already tokenized and cut).
 
 The held-out split is fixed by the data alone, never by the seed or the process count: a stable
 hash of each file's name (text) or of (file, record number) (jsonl, Parquet) sends about
@@ -97,23 +98,62 @@ def _fields(data: DataConfig) -> tuple[str, ...]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Text files: one document per file.
+# Text files: one document per file, read in pieces.
+
+PIECE_BYTES_PER_TOKEN = 4  # a piece is data.seq_len × 4 bytes: about one row of subword tokens
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Part of a document: only its first piece opens with BOS, only its last ends with EOS."""
+
+    text: str
+    first: bool
+    last: bool
+
+
+def _continuation_bytes(data: bytes, at: int) -> int:
+    """How many UTF-8 continuation bytes (0b10xxxxxx) start at `at`: a cut there moves past them."""
+    count = 0
+    while count < 3 and at + count < len(data) and data[at + count] & 0xC0 == 0x80:
+        count += 1
+    return count
+
 
 class TextFiles:
-    def __init__(self, files: Sequence[Path]):
+    """Files cut into pieces of at most `piece_bytes` (at UTF-8 character boundaries), each piece
+    shuffled and dealt like a document of its own: a long file (a book, a large module) does not
+    then fill its batch row for hundreds of consecutive steps. Only the piece is read."""
+
+    def __init__(self, files: Sequence[Path], piece_bytes: int):
         self.files = list(files)
+        self.sizes = np.array([f.stat().st_size for f in self.files], np.int64)
+        counts = np.maximum(1, -(-self.sizes // piece_bytes))
+        self.file_ids = np.repeat(np.arange(len(self.files)), counts)
+        first = np.repeat(np.cumsum(counts) - counts, counts)
+        self.starts = (np.arange(len(self.file_ids)) - first) * piece_bytes
+        self.stops = np.minimum(self.starts + piece_bytes, self.sizes[self.file_ids])
 
     def __len__(self) -> int:
-        return len(self.files)
+        return len(self.file_ids)
 
-    def __getitem__(self, index: int) -> str:
-        return self.files[index].read_text(encoding="utf-8", errors="replace")
+    def __getitem__(self, index: int) -> Piece:
+        file_id = int(self.file_ids[index])
+        start, stop = int(self.starts[index]), int(self.stops[index])
+        size = int(self.sizes[file_id])
+        with open(self.files[file_id], "rb") as f:
+            f.seek(start)
+            data = f.read(stop - start + 3)  # up to 3 more: the rest of a character cut at `stop`
+        head = _continuation_bytes(data, 0) if start else 0
+        tail = stop - start + (_continuation_bytes(data, stop - start) if stop < size else 0)
+        return Piece(data[head:tail].decode("utf-8", errors="replace"), start == 0, stop >= size)
 
 
 def _split_files(files: list[Path], eval_files: list[Path] | None, data: DataConfig,
                  root: Path) -> Corpus:
+    piece_bytes = PIECE_BYTES_PER_TOKEN * data.seq_len
     if eval_files:
-        return Corpus(TextFiles(files), TextFiles(eval_files), "text")
+        return Corpus(TextFiles(files, piece_bytes), TextFiles(eval_files, piece_bytes), "text")
     root = root if root.is_dir() else root.parent
     held = [zlib.crc32(str(f.relative_to(root)).encode()) % 10_000
             < data.validation_fraction * 10_000 for f in files]
@@ -123,7 +163,7 @@ def _split_files(files: list[Path], eval_files: list[Path] | None, data: DataCon
         if len(train) < 2:
             raise ConfigError(_single_document(data))
         validation.append(train.pop())
-    return Corpus(TextFiles(train), TextFiles(validation), "text")
+    return Corpus(TextFiles(train, piece_bytes), TextFiles(validation, piece_bytes), "text")
 
 
 def _single_document(data: DataConfig) -> str:
