@@ -33,6 +33,7 @@ from tunix_train.data import tokenizer as tokenizer_lib
 log = logging.getLogger(__name__)
 
 Batch = dict[str, jax.Array]
+EVAL_SEED = 0  # the held-out documents' order (shuffled, so evaluation samples many of them)
 
 
 @dataclass(frozen=True)
@@ -86,8 +87,9 @@ def build(data: DataConfig, model: ModelConfig, seed: int, shape: BatchShape,
     train_docs = grain.MapDataset.source(corpus.train).shuffle(seed=seed).repeat()
     train = GlobalBatches(streams(train_docs), shape, sharding, prefetch=data.prefetch)
     eval_shape = BatchShape(accum=1, rows=shape.rows, seq_len=shape.seq_len)
-    evaluation = GlobalBatches(streams(grain.MapDataset.source(corpus.validation).repeat()),
-                               eval_shape, sharding, prefetch=0)
+    # A fixed order, not training.seed's: runs with different seeds evaluate on the same tokens.
+    eval_docs = grain.MapDataset.source(corpus.validation).shuffle(seed=EVAL_SEED).repeat()
+    evaluation = GlobalBatches(streams(eval_docs), eval_shape, sharding, prefetch=0)
     eval_batches = [next(evaluation) for _ in range(data.eval_batches)]
     evaluation.close()
     log.info("data: %s, %d training and %d held-out documents, tokenizer %s (%s tokens)",
