@@ -281,10 +281,11 @@ def _bad_inputs(corpus, tmp):
     ("data.name=csv", "data.name='csv' is not one of builtin, text, jsonl, parquet, tokens"),
     ("data.tokenizer=tiktoken:x", "data.tokenizer='tiktoken:x' is not byte, sentencepiece:"),
     ("data.tokenizer=none", "data.tokenizer=none suits only data=tokens"),
+    ("data.prompt_field=q data.response_field=a", "need records: data=jsonl or data=parquet"),
 ])
 def test_data_keys_are_checked_before_anything_is_read(override, match):
     with pytest.raises(ConfigError, match=match):
-        cfg = _cfg(override)
+        cfg = _cfg(*override.split())
         config_lib.validate(cfg)
         _build(cfg)
 

@@ -41,31 +41,40 @@ class Corpus:
 
 def load(data: DataConfig, vocab_limit: int) -> Corpus:
     """The configured source, split; `vocab_limit` bounds the ids a `tokens` file may hold."""
-    kind = "tokens" if data.name == "tokens" else "sft" if data.prompt_field else "text"
-    if data.name == "builtin":
-        return _split_files(builtin.files(data.max_corpus_bytes), None, data, builtin.stdlib_root())
     if data.name not in SOURCES:
         raise ConfigError(f"data.name={data.name!r} is not one of {', '.join(SOURCES)}.")
+    if data.prompt_field and data.name not in ("jsonl", "parquet"):
+        raise ConfigError(f"data.prompt_field/response_field (SFT) need records: data=jsonl or "
+                          f"data=parquet, not data={data.name}.")
+    if data.name == "builtin":
+        return _split_files(builtin.files(data.max_corpus_bytes), None, data, builtin.stdlib_root())
     files = resolve(data.path, data.name, "data.path")
     eval_files = resolve(data.eval_path, data.name, "data.eval_path") if data.eval_path else None
     if data.name == "text":
         return _split_files(files, eval_files, data, Path(os.path.commonpath(files)))
     if data.name == "tokens":
-        open_ = functools.partial(TokenWindows.open, dtype=data.dtype, seq_len=data.seq_len,
-                                  vocab_limit=vocab_limit)
-        whole = open_(files)
-        if eval_files:
-            return Corpus(whole, open_(eval_files), kind)
-        train, validation = whole.split_tail(data.validation_fraction)
-        return Corpus(train, validation, kind)
-    open_ = functools.partial(JsonLines if data.name == "jsonl" else ParquetRows,
-                              fields=_fields(data))
+        return _tokens(files, eval_files, data, vocab_limit)
+    return _records(files, eval_files, data)
+
+
+def _tokens(files: list[Path], eval_files: list[Path] | None, data: DataConfig,
+            vocab_limit: int) -> Corpus:
+    open_ = functools.partial(TokenWindows.open, dtype=data.dtype, seq_len=data.seq_len,
+                              vocab_limit=vocab_limit)
+    whole = open_(files)
+    if eval_files:
+        return Corpus(whole, open_(eval_files), "tokens")
+    return Corpus(*whole.split_tail(data.validation_fraction), "tokens")
+
+
+def _records(files: list[Path], eval_files: list[Path] | None, data: DataConfig) -> Corpus:
+    kind = "sft" if data.prompt_field else "text"
+    fields = (data.prompt_field, data.response_field) if data.prompt_field else (data.text_field,)
+    open_ = functools.partial(JsonLines if data.name == "jsonl" else ParquetRows, fields=fields)
     whole = open_(files)
     if eval_files:
         return Corpus(whole, open_(eval_files), kind)
-    held_out = whole.held_out(data.validation_fraction)
-    train, validation = _subsets(whole, held_out, data)
-    return Corpus(train, validation, kind)
+    return Corpus(*_subsets(whole, whole.held_out(data.validation_fraction), data), kind)
 
 
 def resolve(pattern: str | None, source: str, key: str) -> list[Path]:
@@ -91,10 +100,6 @@ def resolve(pattern: str | None, source: str, key: str) -> list[Path]:
         if file.stat().st_size == 0:
             raise ConfigError(f"{key}: {file} is empty; remove it or narrow {key}.")
     return files
-
-
-def _fields(data: DataConfig) -> tuple[str, ...]:
-    return (data.prompt_field, data.response_field) if data.prompt_field else (data.text_field,)
 
 
 # ---------------------------------------------------------------------------------------------
