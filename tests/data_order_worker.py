@@ -62,7 +62,7 @@ def main(out: Path, count: int, restore: Path, overrides: list[str]) -> None:
     held_out = {f.name for f in sources.load(cfg.data, cfg.model.vocab_size).validation.files}
     read = {piece for piece in read if piece.split("@")[0] not in held_out}
     (out / f"rank{rank}.json").write_text(json.dumps(
-        {"state": state, "read": sorted(read), "rows": list(data.train.rows),
+        {"state": state, "read": sorted(read), "streams": data.train.streams,
          "devices": jax.local_device_count()}))
 
 

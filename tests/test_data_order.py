@@ -73,7 +73,7 @@ def test_one_and_two_processes_read_the_same_global_batches(tmp_path):
     (tmp_path / "state.json").write_text(json.dumps(state))
     arrays, reports = _two_processes(tmp_path, overrides, tmp_path / "state.json")
 
-    assert [r["rows"] for r in reports] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [r["streams"] for r in reports] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     for rank in range(2):
         for i, batch in enumerate(reference):
             for name, value in batch.items():

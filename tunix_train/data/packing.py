@@ -28,7 +28,6 @@ from tunix_train.data.sources import Piece
 from tunix_train.data.tokenizer import Tokenizer
 
 FEATURES = ("inputs", "targets", "weights")
-PACKINGS = ("concat", "first_fit")
 _FIRST_FIT_BINS = 8  # rows packed together: more bins → less padding, more documents held
 
 
@@ -89,16 +88,16 @@ def window_features(window: np.ndarray, eos_id: int | None) -> dict[str, np.ndar
             "segment_ids": segment_ids, "positions": (np.arange(length) - first).astype(np.int32)}
 
 
-def row_stream(documents: grain.MapDataset, row: int, rows: int, features: Callable,
+def row_stream(documents: grain.MapDataset, index: int, count: int, features: Callable,
                kind: str, seq_len: int, packing: str, pad_id: int) -> grain.IterDataset:
-    """Global row `row` of every batch: documents row, row + rows, row + 2·rows, … packed.
+    """Stream `index` of `count`: documents index, index + count, index + 2·count, … packed.
 
-    Each row is its own stream, so a process builds only the rows it holds, and the rows, hence
-    the global batches, do not depend on how many processes there are.
+    Each sequence of the global batch is its own stream, so a process builds only the ones it
+    holds, and the global batches do not depend on how many processes there are.
     """
-    # No read threads per row: the whole process-local pipeline is prefetched by one thread.
+    # No read threads per stream: the whole process-local pipeline is prefetched by one thread.
     read = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
-    stream = documents[row::rows].map(features).to_iter_dataset(read)
+    stream = documents[index::count].map(features).to_iter_dataset(read)
     if kind == "tokens":
         return stream
     lengths = {name: seq_len for name in FEATURES}

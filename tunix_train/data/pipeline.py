@@ -1,19 +1,21 @@
 """The Grain pipeline: source → tokenize → pack → batch → global jax.Array.
 
-Global row `r` of every micro-batch is its own Grain stream (see `packing.row_stream`): the
-training documents, shuffled by `training.seed` afresh each epoch, dealt round-robin to the rows,
-tokenized and packed. Micro-step `m` of step `s` takes the `(s·accum + m)`-th packed row of every
-stream. A process builds only the streams of the rows its devices hold (from the batch sharding),
-so it reads only its share of the documents, and the global batches are the same for any number
-of processes and any mesh with the same global batch.
+Every sequence of the global batch (`accum × rows` per step) is its own Grain stream (see
+`packing.row_stream`): the training documents, shuffled by `training.seed` afresh each epoch,
+dealt round-robin to the streams, tokenized and packed. Sequence `j` of step `s` (micro-step
+`j // rows`, row `j % rows`) is the `s`-th packed row of stream `j`. A process builds only the
+streams of the rows its devices hold (from the batch sharding), so it reads only its share of
+the documents, and the global batches depend only on the seed and the global batch size: not on
+the number of processes, the mesh or the split into accumulated micro-batches.
 
-The iterator's state is Grain's own checkpointable state of each row stream, gathered from all
-processes into one JSON-able dict indexed by global row: a run restored from it continues
+The iterator's state is Grain's own checkpointable state of each stream, gathered from all
+processes into one JSON-able list indexed by global sequence: a run restored from it continues
 exactly, on any number of processes.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import weakref
@@ -58,8 +60,8 @@ class Streams:
     packing: str
     pad_id: int
 
-    def row(self, row: int, rows: int) -> grain.IterDataset:
-        return packing.row_stream(self.documents, row, rows, self.features, self.kind,
+    def stream(self, index: int, count: int) -> grain.IterDataset:
+        return packing.row_stream(self.documents, index, count, self.features, self.kind,
                                   self.seq_len, self.packing, self.pad_id)
 
 
@@ -133,9 +135,12 @@ class GlobalBatches:
     def __init__(self, streams: Streams, shape: BatchShape, sharding: NamedSharding,
                  prefetch: int = 2):
         self.shape, self.sharding = shape, sharding
-        self.rows = _local_rows(sharding, (shape.accum, shape.rows, shape.seq_len))
-        local = grain_x.ZipIterDataset([streams.row(r, shape.rows) for r in self.rows])
-        dataset = local.map(_stack_rows).batch(shape.accum)
+        rows = _local_rows(sharding, (shape.accum, shape.rows, shape.seq_len))
+        # Global sequence m·rows + r is micro-step m, row r; this process holds rows `rows`.
+        self.streams = [m * shape.rows + r for m in range(shape.accum) for r in rows]
+        local = grain_x.ZipIterDataset([streams.stream(j, shape.sequences)
+                                        for j in self.streams])
+        dataset = local.map(functools.partial(_stack, shape=(shape.accum, len(rows))))
         if prefetch:
             dataset = grain_x.ThreadPrefetchIterDataset(dataset, prefetch_buffer_size=prefetch)
         self._iterator = iter(dataset)
@@ -155,21 +160,22 @@ class GlobalBatches:
                 for name, value in local.items()}
 
     def get_state(self) -> dict[str, Any]:
-        # Map, batch and prefetch pass the zip's state through: one state per local row.
+        # Map and prefetch pass the zip's state through: one state per local stream.
         local = self._iterator.get_state()["parents"]
-        streams = _gather({str(r): s for r, s in zip(self.rows, local)})
-        return {"step": self.next_step, "rows": self.shape.rows, "seq_len": self.shape.seq_len,
-                "streams": [streams[str(r)] for r in range(self.shape.rows)]}
+        streams = _gather({str(j): s for j, s in zip(self.streams, local)})
+        return {"step": self.next_step, "sequences": self.shape.sequences,
+                "seq_len": self.shape.seq_len,
+                "streams": [streams[str(j)] for j in range(self.shape.sequences)]}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        saved = (state["rows"], state["seq_len"])
-        if saved != (self.shape.rows, self.shape.seq_len):
+        saved = (state["sequences"], state["seq_len"])
+        if saved != (self.shape.sequences, self.shape.seq_len):
             raise ConfigError(
-                f"the checkpoint's data position is for {saved[0]} rows of {saved[1]} tokens per "
-                f"micro-batch, this run has {self.shape.rows} of {self.shape.seq_len}; resume "
-                f"with the same global batch and data.seq_len."
+                f"the checkpoint's data position is for a global batch of {saved[0]} sequences "
+                f"of {saved[1]} tokens, this run has {self.shape.sequences} of "
+                f"{self.shape.seq_len}; resume with the same global batch and data.seq_len."
             )
-        streams = [packing.restore_json_state(state["streams"][r]) for r in self.rows]
+        streams = [packing.restore_json_state(state["streams"][j]) for j in self.streams]
         self._iterator.set_state({"parents": streams})
         self.next_step = int(state["step"])
 
@@ -184,12 +190,14 @@ def _close(iterator) -> None:
         close()
 
 
-def _stack_rows(rows: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.ndarray]:
-    return {name: np.stack([row[name] for row in rows]) for name in rows[0]}
+def _stack(rows: tuple[dict[str, np.ndarray], ...],
+           shape: tuple[int, int]) -> dict[str, np.ndarray]:
+    """One packed row per local stream (micro-step major) → [accum, local rows, seq_len]."""
+    return {name: np.stack([row[name] for row in rows]).reshape(*shape, -1) for name in rows[0]}
 
 
 def _gather(local: dict[str, Any]) -> dict[str, Any]:
-    """Every process's row states merged (rows replicated over tp report the same state)."""
+    """Every process's stream states merged (rows replicated over tp report the same state)."""
     if jax.process_count() == 1:
         return local
     from jax.experimental import multihost_utils
