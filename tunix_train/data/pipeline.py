@@ -79,7 +79,8 @@ def build(data: DataConfig, model: ModelConfig, seed: int, shape: BatchShape,
           sharding: NamedSharding) -> Data:
     """The training iterator and the evaluation batches of the configured source."""
     tokenizer = _tokenizer(data, model)
-    corpus = sources.load(data, model.vocab_size)
+    bytes_per_token = 1 if isinstance(tokenizer, tokenizer_lib.ByteTokenizer) else 4
+    corpus = sources.load(data, model.vocab_size, bytes_per_token)
     features = packing.featurizer(corpus.kind, tokenizer)
     pad_id = tokenizer.pad_id if tokenizer is not None else 0
 

@@ -39,19 +39,22 @@ class Corpus:
     kind: str  # "text" | "sft" | "tokens": how raw documents become features (see packing.py)
 
 
-def load(data: DataConfig, vocab_limit: int) -> Corpus:
-    """The configured source, split; `vocab_limit` bounds the ids a `tokens` file may hold."""
+def load(data: DataConfig, vocab_limit: int, bytes_per_token: int = 4) -> Corpus:
+    """The configured source, split. `vocab_limit` bounds the ids a `tokens` file may hold;
+    `bytes_per_token` (1 for the byte tokenizer, about 4 for subword ones) sizes text pieces."""
     if data.name not in SOURCES:
         raise ConfigError(f"data.name={data.name!r} is not one of {', '.join(SOURCES)}.")
     if data.prompt_field and data.name not in ("jsonl", "parquet"):
         raise ConfigError(f"data.prompt_field/response_field (SFT) need records: data=jsonl or "
                           f"data=parquet, not data={data.name}.")
     if data.name == "builtin":
-        return _split_files(builtin.files(data.max_corpus_bytes), None, data, builtin.stdlib_root())
+        files = builtin.files(data.max_corpus_bytes)
+        return _split_files(files, None, data, builtin.stdlib_root(), bytes_per_token)
     files = resolve(data.path, data.name, "data.path")
     eval_files = resolve(data.eval_path, data.name, "data.eval_path") if data.eval_path else None
     if data.name == "text":
-        return _split_files(files, eval_files, data, Path(os.path.commonpath(files)))
+        root = Path(os.path.commonpath(files))
+        return _split_files(files, eval_files, data, root, bytes_per_token)
     if data.name == "tokens":
         return _tokens(files, eval_files, data, vocab_limit)
     return _records(files, eval_files, data)
@@ -105,9 +108,6 @@ def resolve(pattern: str | None, source: str, key: str) -> list[Path]:
 # ---------------------------------------------------------------------------------------------
 # Text files: one document per file, read in pieces.
 
-PIECE_BYTES_PER_TOKEN = 4  # a piece is data.seq_len × 4 bytes: about one row of subword tokens
-
-
 @dataclass(frozen=True)
 class Piece:
     """Part of a document: only its first piece opens with BOS, only its last ends with EOS."""
@@ -155,8 +155,10 @@ class TextFiles:
 
 
 def _split_files(files: list[Path], eval_files: list[Path] | None, data: DataConfig,
-                 root: Path) -> Corpus:
-    piece_bytes = PIECE_BYTES_PER_TOKEN * data.seq_len
+                 root: Path, bytes_per_token: int) -> Corpus:
+    # About one row of tokens per piece: longer pieces keep a row on one file for several
+    # consecutive steps, which measurably slowed the default run's learning.
+    piece_bytes = bytes_per_token * data.seq_len
     if eval_files:
         return Corpus(TextFiles(files, piece_bytes), TextFiles(eval_files, piece_bytes), "text")
     root = root if root.is_dir() else root.parent
