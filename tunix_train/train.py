@@ -20,6 +20,7 @@ from tunix_train import state as state_lib
 from tunix_train.config import Config, ConfigError
 from tunix_train.data.pipeline import BatchShape, GlobalBatches, load_windows
 from tunix_train.metrics import MetricsWriter, Throughput, format_line, setup_process_logging
+from tunix_train.gradients import GradientPlan
 from tunix_train.train_step import StepOptions, jit_eval_step, jit_train_step
 
 log = logging.getLogger("tunix_train")
@@ -81,13 +82,16 @@ def build_setup(cfg: Config, devices: list[jax.Device] | None = None) -> Setup:
     mesh = mesh_lib.build(shape, devices)
     plan = sharding.plan(cfg.model, mesh, cfg.training.zero_stage)
     batch = batch_shape(cfg, shape.fsdp)
-    options = StepOptions(
-        compute_dtype=compute_dtype(cfg.training.mixed_precision),
-        accumulation_steps=batch.accum, mesh=mesh, rules=plan.params,
-    )
     optimizer = optim.build(cfg.optimizer, cfg.training.steps)
     schedule = optim.schedule(cfg.optimizer, cfg.training.steps)
     spec = state_lib.spec(cfg, mesh, plan, optimizer)
+    dtype = compute_dtype(cfg.training.mixed_precision)
+    grads = GradientPlan(
+        mesh=mesh, grad_specs=jax.tree.map(lambda s: s.spec, spec.grad_shardings),
+        accumulation_steps=batch.accum,
+        sync_every=cfg.training.sync_gradients_every or batch.accum, reduce_dtype=dtype,
+    )
+    options = StepOptions(compute_dtype=dtype, gradients=grads, mesh=mesh, rules=plan.params)
     return Setup(cfg, mesh, plan, batch, options, optimizer, schedule, spec)
 
 
