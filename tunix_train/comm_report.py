@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -139,7 +140,7 @@ def build(module: hlo.Module, mesh: Mesh, gradient_bytes: float | None = None) -
         axis = axes_of(groups, mesh) if groups else "?"
         if not axis:
             continue  # every group is a single device: nothing leaves it
-        dtype, nbytes = _payload(inst, kind, by_name, len(groups[0]) if groups else 1)
+        dtype, nbytes = _payload(inst, kind, by_name, module, len(groups[0]) if groups else 1)
         key = (kind, axis, dtype, _phase(inst.attrs))
         row = rows.setdefault(key, Collective(*key, count=0, bytes=0))
         row.count += runs
@@ -153,23 +154,28 @@ def build(module: hlo.Module, mesh: Mesh, gradient_bytes: float | None = None) -
 
 
 def _payload(inst: hlo.Instruction, kind: str, by_name: dict[str, hlo.Instruction],
-             group_size: int) -> tuple[str, float]:
-    operands = " ".join(by_name[o].shape for o in inst.operands if o in by_name)
-    nbytes = hlo.shape_bytes(operands) * (group_size if kind == "all-gather" else 1)
-    dtype = hlo.dtype_of(operands)
-    if re.search(r"to_apply=%[\w.\-]*_promoted", inst.attrs):
-        narrow = _narrowed_dtype(inst, hlo.users(by_name))
+             module: hlo.Module, group_size: int) -> tuple[str, float]:
+    """(dtype carrying most bytes, bytes per device). A value that a CPU backend widened to
+    fp32 only to communicate it counts in its own, narrower type."""
+    promoted = re.search(r"to_apply=%[\w.\-]*_promoted", inst.attrs) is not None
+    narrowed = _narrowed_dtype(inst, hlo.users(by_name)) if promoted else None
+    by_dtype: dict[str, float] = defaultdict(float)
+    for operand in (by_name[o] for o in inst.operands if o in by_name):
+        dtype, nbytes = hlo.dtype_of(operand.shape), hlo.shape_bytes(operand.shape)
+        narrow = (hlo.widened_from(operand, by_name, module) or narrowed) \
+            if dtype == "f32" else None
         if narrow:
-            nbytes *= hlo.dtype_bytes(narrow) / hlo.dtype_bytes(dtype)
-            dtype = narrow
-    return dtype, nbytes
+            dtype, nbytes = narrow, nbytes * hlo.dtype_bytes(narrow) / hlo.dtype_bytes("f32")
+        by_dtype[dtype] += nbytes
+    scale = group_size if kind == "all-gather" else 1
+    return max(by_dtype, key=by_dtype.get, default="?"), sum(by_dtype.values()) * scale
 
 
 def _narrowed_dtype(inst: hlo.Instruction,
                     users: dict[str, list[hlo.Instruction]]) -> str | None:
     """The float type a promoted reduction's result is converted back to (CPU backends)."""
     frontier = [inst]
-    for _ in range(2):  # its users, or through a get-tuple-element
+    for _ in range(3):  # its users, or through a get-tuple-element and a bitcast
         frontier = [u for i in frontier for u in users.get(i.name, ())]
         for user in frontier:
             if hlo.dtype_of(user.shape) in ("bf16", "f16"):

@@ -132,6 +132,14 @@ class DistributedConfig:
 
 
 @dataclass
+class PlanConfig:
+    """`python -m tunix_train.plan` only."""
+
+    device_memory_gb: float = 80.0  # memory per device available to JAX (1e9 bytes) for the verdict
+    num_devices: Optional[int] = None  # devices to simulate; None = product of model.mesh_shape
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -141,6 +149,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 def register_configs() -> None:

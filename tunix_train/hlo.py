@@ -22,7 +22,7 @@ _DTYPE_BYTES = {
 }
 _ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
 _HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
+_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class Instruction:
 @dataclass
 class Module:
     computations: dict[str, list[Instruction]]
+    roots: dict[str, str]  # computation → its ROOT instruction's name
     runs: dict[str, int]  # executions of each computation per call of the entry computation
     warnings: list[str]
 
@@ -50,16 +51,39 @@ class Module:
 
 
 def parse(hlo_text: str) -> Module:
-    computations, entry, current = {}, "", None
+    computations, roots, entry, current = {}, {}, "", ""
     for line in hlo_text.splitlines():
         header = _HEADER.match(line)
         if header:
-            current = computations.setdefault(header.group(2), [])
-            entry = header.group(2) if header.group(1) else entry
-        elif current is not None and (m := _INSTRUCTION.match(line)):
-            current.append(_instruction(m.group(1), m.group(2)))
+            current = header.group(2)
+            computations.setdefault(current, [])
+            entry = current if header.group(1) else entry
+        elif current and (m := _INSTRUCTION.match(line)):
+            computations[current].append(_instruction(m.group(2), m.group(3)))
+            if m.group(1):
+                roots[current] = m.group(2)
     warnings: list[str] = []
-    return Module(computations, _runs(computations, entry, warnings), warnings)
+    return Module(computations, roots, _runs(computations, entry, warnings), warnings)
+
+
+_LAYOUT_ONLY = ("bitcast", "copy", "reshape", "transpose")
+
+
+def widened_from(inst: Instruction, by_name: dict[str, Instruction], module: Module) -> str | None:
+    """The narrower float type `inst`'s value was converted from, if it is a widening convert
+    (possibly inside a fusion, behind layout-only ops): CPU backends widen bf16 collectives."""
+    while inst.opcode in _LAYOUT_ONLY and inst.operands and inst.operands[0] in by_name:
+        inst = by_name[inst.operands[0]]
+    if inst.opcode == "fusion":
+        callee = re.search(r"calls=%([\w.\-]+)", inst.attrs)
+        body = module.computations.get(callee.group(1), []) if callee else []
+        inner = {i.name: i for i in body}
+        root = module.roots.get(callee.group(1)) if callee else None
+        return widened_from(inner[root], inner, module) if root in inner else None
+    if inst.opcode == "convert" and inst.operands and inst.operands[0] in by_name:
+        source = dtype_of(by_name[inst.operands[0]].shape)
+        return source if source in ("bf16", "f16") else None
+    return None
 
 
 def _instruction(name: str, rest: str) -> Instruction:

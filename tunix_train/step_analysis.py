@@ -14,8 +14,11 @@ aliased to them + temporaries.
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -30,6 +33,7 @@ if TYPE_CHECKING:
     from tunix_train.train import Setup
 
 MB = 1e6
+log = logging.getLogger("tunix_train")
 
 
 @dataclass
@@ -67,10 +71,10 @@ def compile_step(setup: Setup, batch_sharding: NamedSharding,
 
 def sharded_bytes(abstract: Any, shardings: Any, dtype: Any = None) -> int:
     """Bytes one device holds of a tree of shapes laid out by `shardings` (even shards)."""
-    return sum(
-        math.prod(s.shard_shape(a.shape)) * jnp.dtype(dtype or a.dtype).itemsize
-        for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings))
-    )
+    sizes = jax.tree.map(
+        lambda a, s: math.prod(s.shard_shape(a.shape)) * jnp.dtype(dtype or a.dtype).itemsize,
+        abstract, shardings)
+    return sum(jax.tree.leaves(sizes))
 
 
 def gradient_buffer_bytes(setup: Setup) -> int:
@@ -115,9 +119,25 @@ def memory_lines(analysis: StepAnalysis) -> list[str]:
 def sync_line(setup: Setup, analysis: StepAnalysis) -> str:
     plan = setup.options.gradients
     kind = "reduce-scatter" if setup.cfg.training.zero_stage >= 2 else "all-reduce"
+    accumulator = " incl. its fp32 accumulator" if plan.sync_every > 1 else ""
     return (
         f"gradient sync: every {plan.sync_every} micro-step(s) = {plan.reductions_per_step} "
-        f"{kind}(s) over fsdp per step in {jnp.dtype(plan.reduce_dtype).name}; fewer reductions "
-        f"cost a local unreduced gradient buffer, here "
-        f"{analysis.per_device_bytes['grad_buffer'] / MB:,.1f} MB per device"
+        f"{kind}(s) over fsdp per step, in {jnp.dtype(plan.reduce_dtype).name} (measured: "
+        f"{analysis.comm.gradient_reductions_per_step:g}); fewer reductions cost a local "
+        f"unreduced gradient buffer: {analysis.per_device_bytes['grad_buffer'] / MB:,.1f} MB "
+        f"per device{accumulator}"
     )
+
+
+def report(setup: Setup, analysis: StepAnalysis, writer: Any, run_dir: Path) -> None:
+    """Start-up log lines, `comm_report.json` and TensorBoard text (process 0 writes files)."""
+    memory = memory_lines(analysis)
+    lines = [*memory, sync_line(setup, analysis),
+             f"FLOPs per step (all devices, as compiled): {analysis.flops_per_step:.3e}",
+             "communication per step, per device:", *analysis.comm.table().splitlines()]
+    for line in lines:
+        log.info(line)
+    writer.text("memory", "\n".join(memory))
+    writer.text("communication", "\n".join(lines[len(memory):]))
+    if jax.process_index() == 0:
+        (run_dir / "comm_report.json").write_text(json.dumps(analysis.comm.to_json(), indent=1))

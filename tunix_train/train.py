@@ -14,14 +14,14 @@ import optax
 from jax.sharding import Mesh
 
 from tunix_train import config as config_lib
-from tunix_train import distributed, optim, sharding
+from tunix_train import distributed, optim, profiling, sharding, step_analysis
 from tunix_train import mesh as mesh_lib
 from tunix_train import state as state_lib
 from tunix_train.config import Config, ConfigError
 from tunix_train.data.pipeline import BatchShape, GlobalBatches, load_windows
 from tunix_train.metrics import MetricsWriter, Throughput, format_line, setup_process_logging
 from tunix_train.gradients import GradientPlan
-from tunix_train.train_step import StepOptions, jit_eval_step, jit_train_step
+from tunix_train.train_step import StepOptions, jit_eval_step
 
 log = logging.getLogger("tunix_train")
 
@@ -55,8 +55,7 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
     state = state_lib.init(cfg, setup.spec, setup.optimizer)
     _log_param_bytes(state)
     batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
-    train_step = jit_train_step(setup.spec, setup.optimizer, setup.schedule, setup.options,
-                                batch_sharding)
+    train_step = _compiled_step(setup, batch_sharding, writer, run_dir)
     evaluate = _evaluator(setup, eval_data, batch_sharding)
     if int(jax.device_get(state["step"])) == 0:
         # The reference for "did it learn": the same validation batches before any update.
@@ -73,6 +72,15 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
     finally:
         writer.close()
     return summary
+
+
+def _compiled_step(setup: Setup, batch_sharding, writer: MetricsWriter, run_dir: Path):
+    """Compiled ahead of time, so memory and communication are known before the first step."""
+    compiled = step_analysis.compile_step(setup, batch_sharding)
+    step_analysis.report(setup, step_analysis.analyse(setup, compiled), writer, run_dir)
+    if setup.cfg.training.profile_communication:
+        return profiling.traced(compiled, run_dir / "tensorboard", setup.cfg.training.steps)
+    return compiled
 
 
 def build_setup(cfg: Config, devices: list[jax.Device] | None = None) -> Setup:
@@ -169,6 +177,7 @@ def _report(pending, setup: Setup, throughput: Throughput, writer: MetricsWriter
     if not math.isfinite(values["loss"]):
         raise FloatingPointError(f"loss is {values['loss']} at step {step}.")
     values.update(throughput.interval(step, setup.tokens_per_step))
+    values.update(profiling.memory_scalars())
     summary.setdefault("first_loss", values["loss"])
     summary["last_loss"] = values["loss"]
     writer.scalars(step, values)

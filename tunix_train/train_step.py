@@ -57,10 +57,13 @@ def train_step_fn(spec: StateSpec, optimizer: optax.GradientTransformation,
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         # Inside the per-shard vmap the batch axis is the shard axis itself: no fsdp constraint.
+        # Cast once, still sharded: FSDP then all-gathers parameters in the compute dtype.
+        params = jax.lax.with_sharding_constraint(
+            _cast(state["params"], options.compute_dtype), spec.shardings["params"])
+        loss_fn = partial(loss_sums, spec.graphdef, compute_dtype=options.compute_dtype)
         with activate(options.mesh, per_shard_rules(options.rules)):  # in effect while jit traces
-            grads, loss_sum, tokens = gradients.accumulated(
-                options.gradients, partial(loss_sums, spec.graphdef, compute_dtype=options.compute_dtype),
-                state["params"], batch)
+            grads, loss_sum, tokens = gradients.accumulated(options.gradients, loss_fn, params,
+                                                            batch)
         denominator = jnp.maximum(tokens, 1.0)
         grads = jax.tree.map(lambda g: (g / denominator).astype(jnp.float32), grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
