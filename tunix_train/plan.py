@@ -84,7 +84,12 @@ def plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
     batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
     compiled = step_analysis.compile_step(setup, batch_sharding)
     analysis = step_analysis.analyse(setup, compiled)
-    record = _record(setup, analysis, time.perf_counter() - start)
+    return write(run_dir, setup, analysis, time.perf_counter() - start)
+
+
+def write(run_dir: Path, setup, analysis, compile_s: float = 0.0) -> dict[str, Any]:
+    """Prints the plan of an analysed step and writes it to `run_dir/plan.json`."""
+    record = _record(setup, analysis, compile_s)
     for line in _summary(record, analysis):
         log.info(line)
     (run_dir / "plan.json").write_text(json.dumps(record, indent=1))
