@@ -19,8 +19,8 @@ from tunix_train import mesh as mesh_lib
 from tunix_train import state as state_lib
 from tunix_train.config import Config, ConfigError
 from tunix_train.data.pipeline import BatchShape, GlobalBatches, load_windows
-from tunix_train.metrics import MetricsWriter, Throughput, format_line, setup_process_logging
 from tunix_train.gradients import GradientPlan
+from tunix_train.metrics import MetricsWriter, Throughput, format_line, setup_process_logging
 from tunix_train.train_step import StepOptions, jit_eval_step
 
 log = logging.getLogger("tunix_train")

@@ -3,7 +3,7 @@
 Loss is the masked next-token cross-entropy in fp32. Gradient accumulation scans over
 micro-batches summing unnormalised losses and gradients, then normalises once by the total
 token count, so accumulation k × micro-batch b equals one batch of k·b exactly (up to float
-summation order).
+summation order). How gradients are summed and reduced over fsdp is gradients.py's job.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _cast(tree: Any, dtype: jnp.dtype) -> Any:
 
 
 def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: Batch,
-              compute_dtype: jnp.dtype = jnp.float32) -> tuple[jax.Array, jax.Array]:
+              compute_dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
     """(sum of token losses, number of counted tokens) for one [B, L] batch."""
     model = nnx.merge(graphdef, _cast(params, compute_dtype))
     logits_BxLxV = model(batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
@@ -56,11 +56,11 @@ def train_step_fn(spec: StateSpec, optimizer: optax.GradientTransformation,
     """The un-jitted step: state, batch → new state, metrics."""
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        # Inside the per-shard vmap the batch axis is the shard axis itself: no fsdp constraint.
         # Cast once, still sharded: FSDP then all-gathers parameters in the compute dtype.
         params = jax.lax.with_sharding_constraint(
             _cast(state["params"], options.compute_dtype), spec.shardings["params"])
         loss_fn = partial(loss_sums, spec.graphdef, compute_dtype=options.compute_dtype)
+        # Inside the per-shard vmap the batch axis is the shard axis itself: no fsdp constraint.
         with activate(options.mesh, per_shard_rules(options.rules)):  # in effect while jit traces
             grads, loss_sum, tokens = gradients.accumulated(options.gradients, loss_fn, params,
                                                             batch)
