@@ -9,9 +9,13 @@ itself sharded over fsdp, so no device talks to another), summed locally over
 
 Making the reduction explicit, rather than leaving it to XLA's partitioner, is what fixes its
 kind, its dtype (the compute dtype: bf16 under mixed precision) and its count
-(accumulation / sync_every per optimizer step) on every backend. The price is a local buffer:
-between reductions each device holds one full, unreduced gradient (its tp share), in the
-compute dtype, plus an fp32 accumulator when `sync_every` > 1.
+(accumulation / sync_every per optimizer step) on every backend; left to itself, XLA reduces
+each layer's gradient inside the backward pass in whatever kind and dtype its backend chooses
+(on CPU: fp32 all-reduces, even at ZeRO-3). The price is a local buffer: between reductions
+each device holds one full, unreduced gradient (its tp share) in the compute dtype, plus an fp32
+accumulator when `sync_every` > 1. Reducing layer by layer inside the backward pass would avoid
+the buffer at `sync_every` = 1, but needs the model's layer scan to call the reduction (an FSDP
+formulation in `shard_map`); not done yet.
 """
 
 from __future__ import annotations

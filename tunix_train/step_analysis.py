@@ -108,11 +108,15 @@ def analyse(setup: Setup, compiled: jax.stages.Compiled) -> StepAnalysis:
 
 def memory_lines(analysis: StepAnalysis) -> list[str]:
     b = {k: v / MB for k, v in analysis.per_device_bytes.items()}
+    x = {k: v / MB for k, v in analysis.xla_memory.items()}
     return [
         f"memory per device (compiled step): params {b['params']:,.1f} MB | grads "
         f"{b['grads']:,.1f} MB | optimizer {b['optimizer']:,.1f} MB | XLA temporaries "
         f"{b['temp']:,.1f} MB (activations, gradients, {b['grad_buffer']:,.1f} MB unreduced "
         f"gradient buffer) | total {b['total']:,.1f} MB",
+        f"XLA memory analysis per device: arguments {x['arguments']:,.1f} MB, outputs "
+        f"{x['outputs']:,.1f} MB ({x['aliased']:,.1f} MB of them donated arguments), "
+        f"temporaries {x['temp']:,.1f} MB",
     ]
 
 
