@@ -128,6 +128,8 @@ def _callees(inst: Instruction, warnings: list[str]) -> Iterator[tuple[str, int]
         yield re.search(r"body=%([\w.\-]+)", inst.attrs).group(1), int(trips.group(1)) \
             if trips else 1
         return
+    if inst.opcode in ("async-update", "async-done"):
+        return  # the same computation as its async-start: counted there
     for key in ("calls", "branch_computations", "true_computation", "false_computation"):
         found = re.search(key + r"=\{?([^}]*?)(?:\}|,\s*\w+=|$)", inst.attrs)
         if found:

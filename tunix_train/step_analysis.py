@@ -122,6 +122,8 @@ def memory_lines(analysis: StepAnalysis) -> list[str]:
 
 def sync_line(setup: Setup, analysis: StepAnalysis) -> str:
     plan = setup.options.gradients
+    if plan.fsdp == 1:
+        return "gradient sync: none (fsdp=1: every device sees the whole batch)"
     kind = "reduce-scatter" if setup.cfg.training.zero_stage >= 2 else "all-reduce"
     accumulator = " incl. its fp32 accumulator" if plan.sync_every > 1 else ""
     return (
@@ -144,4 +146,6 @@ def report(setup: Setup, analysis: StepAnalysis, writer: Any, run_dir: Path) -> 
     writer.text("memory", "\n".join(memory))
     writer.text("communication", "\n".join(lines[len(memory):]))
     if jax.process_index() == 0:
-        (run_dir / "comm_report.json").write_text(json.dumps(analysis.comm.to_json(), indent=1))
+        record = {"mesh": {k: int(v) for k, v in setup.mesh.shape.items()},
+                  **analysis.comm.to_json()}
+        (run_dir / "comm_report.json").write_text(json.dumps(record, indent=1))
