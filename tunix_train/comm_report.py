@@ -10,9 +10,10 @@ Bytes per device follow the nccl-tests convention: the size of the larger buffer
 gathered result of an all-gather, the input of a reduce-scatter, the buffer of an all-reduce,
 all-to-all or collective-permute. On the wire a ring moves (n-1)/n of that (twice for all-reduce).
 
-CPU backends widen bf16 reductions to fp32 internally (their `to_apply` is renamed
-`*_promoted` and the result converted back); the report shows the dtype the program reduces in,
-which is what GPUs and TPUs carry.
+CPU backends widen bf16 collectives to fp32 internally (a convert to fp32 just before, a
+reduction renamed `*_promoted`, a convert back after); the report counts them in the dtype the
+program communicates in, which is what GPUs and TPUs carry. The planner runs on CPU, so this is
+what makes its bf16 numbers right.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class Collective:
     """One row of the report: collectives of one kind, axis, dtype and phase, per step."""
 
     kind: str
-    axis: str  # mesh axes it runs over, "+"-joined; "" if it never leaves a device
+    axis: str  # mesh axes it runs over, "+"-joined (fsdp, tp, fsdp+tp)
     dtype: str
     phase: str  # forward | backward | gradient sync | update
     count: int  # executions per step
