@@ -90,3 +90,14 @@ def test_tensor_parallel_mesh_communicates_on_tp_only():
     assert axes == {"tp"}
     for phase in ("forward", "backward"):
         assert analysis.comm.total(axis="tp", phase=phase)[0] > 0
+
+
+def test_flops_count_every_trip_of_a_loop():
+    """XLA's cost_analysis() counts a loop body once; hlo.flops multiplies by its trips."""
+
+    def matmuls(x):
+        return jax.lax.scan(lambda c, _: (c @ x, None), x, None, length=5)[0]
+
+    x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    module = hlo.parse(jax.jit(matmuls).lower(x).compile().as_text())
+    assert hlo.flops(module) == 5 * 2 * 64**3

@@ -135,7 +135,7 @@ class DistributedConfig:
 class PlanConfig:
     """`python -m tunix_train.plan` only."""
 
-    device_memory_gb: float = 80.0  # memory per device available to JAX (1e9 bytes) for the verdict
+    device_memory_gb: float = 80.0  # per device, available to JAX (1e9 bytes): the verdict's limit
     num_devices: Optional[int] = None  # devices to simulate; None = product of model.mesh_shape
 
 
@@ -180,6 +180,7 @@ _POSITIVE = (
     ("model", "vocab_size"), ("model", "sliding_window"), ("model", "global_every"),
     ("data", "seq_len"), ("training", "steps"), ("training", "micro_batch_size"),
     ("training", "gradient_accumulation_steps"), ("logging", "every_steps"),
+    ("plan", "device_memory_gb"),
 )
 
 
