@@ -17,6 +17,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from tunix_train.optim import skipped_updates
 from tunix_train.sharding import LogicalRules, activate
 from tunix_train.state import StateSpec, TrainState
 
@@ -91,6 +92,7 @@ def train_step_fn(spec: StateSpec, optimizer: optax.GradientTransformation,
             "grad_norm": optax.global_norm(grads),
             "lr": schedule(state["step"]),
             "tokens": tokens,
+            "skipped_steps": skipped_updates(opt_state),
         }
         return new_state, metrics
 
