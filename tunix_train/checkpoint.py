@@ -144,9 +144,9 @@ def locate(path: str | Path) -> tuple[Path, list[int]]:
     path = Path(path)
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
-    if path.name.isdigit() and (path / "state").is_dir():
+    if path.name.isdigit() and int(path.name) in _steps(path.parent):
         return path.parent, [int(path.name)]
-    steps = _steps(path) if path.is_dir() else []
+    steps = _steps(path)
     if not steps:
         raise ConfigError(f"{path} holds no committed checkpoint; point checkpoint.resume_from or "
                           f"checkpoint.init_params_from at a run directory or a step directory.")
@@ -161,7 +161,8 @@ def _reader(directory: Path) -> _Manager:
 
 
 def _steps(directory: Path) -> list[int]:
-    return list(_reader(directory).all_steps())
+    """Committed steps: Orbax lists neither temporary directories nor anything else."""
+    return list(_reader(directory).all_steps()) if directory.is_dir() else []
 
 
 def _newest_readable(directory: Path, steps: list[int],

@@ -118,10 +118,11 @@ class Loop:
         self._skipped = self.summary["skipped_steps"] = skipped
         if self.setup.cfg.training.nan_policy == "halt":
             latest = self.checkpoints.manager.latest_step()
+            saved = f"the latest checkpoint is step {latest}" if latest else "no checkpoint yet"
             raise NonFiniteLoss(
                 f"non-finite loss or gradients at step {step}: training.nan_policy=halt stopped "
-                f"before applying it; the latest checkpoint is step {latest} (set "
-                f"training.nan_policy=skip to skip such steps)")
+                f"without applying it and {saved} (set training.nan_policy=skip to skip such "
+                f"steps)")
         log.warning("step %d: non-finite loss or gradients, update skipped (%d skipped so far)",
                     step, skipped)
 
