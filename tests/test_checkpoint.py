@@ -22,6 +22,9 @@ from tunix_train.checkpoint import Checkpoints
 from tunix_train.config import CheckpointConfig, ConfigError
 from tunix_train.preemption import PreemptionSignal
 
+# A failed Orbax read leaves its other coroutines un-awaited; Python reports them whenever they
+# are collected, during whichever test runs then.
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 MODEL = compose_config().model
 CONFIG = {"model": {k: getattr(MODEL, k) for k in checkpoint.SHAPE_KEYS}}
 
@@ -83,11 +86,6 @@ def largest_data_file(step_dir: Path) -> Path:
     return max(files, key=lambda p: p.stat().st_size)
 
 
-# Orbax leaves the failed read's other coroutines un-awaited; Python reports that at exit.
-ORBAX_FAILED_READ = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-
-
-@ORBAX_FAILED_READ
 @pytest.mark.parametrize("damage", ["truncate", "remove"])
 def test_a_damaged_latest_step_falls_back_in_one_line_and_is_set_aside(tmp_path, caplog, damage):
     save_steps(tmp_path, [2, 4], make_mesh(8, 1))
@@ -118,7 +116,6 @@ def test_an_uncommitted_step_is_not_a_checkpoint(tmp_path):
     assert checkpoint.restore(tmp_path, abstract(make_mesh(8, 1)), MODEL).step == 2
 
 
-@ORBAX_FAILED_READ
 def test_all_steps_damaged_is_a_config_error_and_nothing_moves(tmp_path):
     save_steps(tmp_path, [2], make_mesh(8, 1))
     os.truncate(largest_data_file(tmp_path / "checkpoints" / "2"), 10)
@@ -184,3 +181,12 @@ def test_sigterm_is_a_stop_request_and_the_handlers_come_back():
 def test_checkpoint_keys_are_validated(overrides, message):
     with pytest.raises(ConfigError, match=message):
         config_lib.validate(compose_config(*overrides))
+
+
+def test_a_step_dir_means_that_step_and_a_temporary_dir_is_refused(tmp_path):
+    save_steps(tmp_path, [2, 4], make_mesh(8, 1))
+    assert checkpoint.locate(tmp_path / "checkpoints" / "2") == (tmp_path / "checkpoints", [2])
+    assert checkpoint.locate(tmp_path) == (tmp_path / "checkpoints", [4, 2])
+    (tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp").mkdir()
+    with pytest.raises(ConfigError, match="holds no committed checkpoint"):
+        checkpoint.locate(tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp")
