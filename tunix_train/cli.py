@@ -16,6 +16,7 @@ from tunix_train.config import Config, ConfigError
 log = logging.getLogger("tunix_train")
 
 EXIT_CONFIG_ERROR = 2
+EXIT_NON_FINITE = 3  # training.nan_policy=halt met a non-finite step (the watchdog exits 4)
 
 
 def typed(cfg: DictConfig) -> Config:
@@ -24,12 +25,15 @@ def typed(cfg: DictConfig) -> Config:
 
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
-    """A ConfigError is the user's to fix: print its sentence, not a traceback."""
+    """A ConfigError is the user's to fix, a halt on NaN the run's: one sentence, no traceback."""
     try:
         yield
     except ConfigError as error:
         log.error("error: %s", error)
         sys.exit(EXIT_CONFIG_ERROR)
+    except FloatingPointError as error:  # the loop's NonFiniteLoss: the run, not the code, failed
+        log.error("error: %s", error)
+        sys.exit(EXIT_NON_FINITE)
 
 
 def run_training(cfg: DictConfig, run_dir: str) -> None:

@@ -106,10 +106,11 @@ class TrainingConfig:
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = 0  # 0 = only at the end
-    keep: int = 3
-    resume_from: Optional[str] = None
-    init_params_from: Optional[str] = None
+    every_steps: int = 0  # steps between saves; 0 = only at the end (and on SIGTERM/SIGINT)
+    keep: int = 3  # newest complete steps kept; older ones are deleted after a newer one commits
+    resume_from: Optional[str] = None  # run dir or step dir: continue another run's full state
+    init_params_from: Optional[str] = None  # run dir or step dir: its parameters only (fine-tune)
+    async_save: bool = True  # write in a background thread while training continues
 
 
 @dataclass
@@ -171,6 +172,7 @@ _POSITIVE = (
     ("model", "vocab_size"), ("model", "sliding_window"), ("model", "global_every"),
     ("data", "seq_len"), ("training", "steps"), ("training", "micro_batch_size"),
     ("training", "gradient_accumulation_steps"), ("logging", "every_steps"),
+    ("checkpoint", "keep"), ("distributed", "step_timeout_s"),
 )
 
 
@@ -198,3 +200,13 @@ def validate(cfg: Config) -> None:
             f"training.sync_gradients_every={sync} must divide "
             f"training.gradient_accumulation_steps={accum}."
         )
+    _validate_checkpoint(cfg.checkpoint)
+
+
+def _validate_checkpoint(c: CheckpointConfig) -> None:
+    if c.every_steps < 0:
+        raise ConfigError(f"checkpoint.every_steps={c.every_steps} must be 0 (only at the end) "
+                          f"or positive.")
+    if c.resume_from and c.init_params_from:
+        raise ConfigError("checkpoint.resume_from and checkpoint.init_params_from are both set; "
+                          "keep resume_from to continue a run or init_params_from to fine-tune.")

@@ -64,6 +64,18 @@ def init(cfg: Config, state_spec: StateSpec, optimizer: optax.GradientTransforma
     return jax.jit(make, out_shardings=state_spec.shardings)()
 
 
+def with_params(params: Any, state_spec: StateSpec,
+                optimizer: optax.GradientTransformation) -> TrainState:
+    """A state at step 0 around given (e.g. pretrained) parameters, with a fresh optimizer."""
+
+    def make(params) -> TrainState:
+        return {"step": jnp.zeros((), jnp.int32), "params": params,
+                "opt_state": optimizer.init(params)}
+
+    # Donated: the parameters move into the state instead of being copied.
+    return jax.jit(make, out_shardings=state_spec.shardings, donate_argnums=0)(params)
+
+
 def param_bytes(params: Any) -> tuple[int, int]:
     """(total bytes, bytes held by the most loaded device) of a sharded parameter tree."""
     total, per_device = 0, {}

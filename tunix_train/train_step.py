@@ -17,6 +17,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from tunix_train.optim import skipped_updates
 from tunix_train.sharding import LogicalRules, activate
 from tunix_train.state import StateSpec, TrainState
 
@@ -78,7 +79,9 @@ def train_step_fn(spec: StateSpec, optimizer: optax.GradientTransformation,
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         with activate(options.mesh, options.rules):  # in effect while jit traces
             grads, loss_sum, tokens = _accumulated_grads(spec, options, state["params"], batch)
-        denominator = jnp.maximum(tokens, 1.0)
+        # A non-finite loss makes every gradient NaN here (in the division that happens anyway),
+        # so the optimizer's finiteness guard skips the update even if the gradients were finite.
+        denominator = jnp.where(jnp.isfinite(loss_sum), jnp.maximum(tokens, 1.0), jnp.nan)
         grads = jax.tree.map(lambda g: (g / denominator).astype(jnp.float32), grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         new_state = {
@@ -91,6 +94,7 @@ def train_step_fn(spec: StateSpec, optimizer: optax.GradientTransformation,
             "grad_norm": optax.global_norm(grads),
             "lr": schedule(state["step"]),
             "tokens": tokens,
+            "skipped_steps": skipped_updates(opt_state),
         }
         return new_state, metrics
 
