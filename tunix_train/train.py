@@ -14,7 +14,7 @@ import optax
 from jax.sharding import Mesh
 
 from tunix_train import config as config_lib
-from tunix_train import distributed, optim, sharding
+from tunix_train import distributed, flops, optim, sharding
 from tunix_train import mesh as mesh_lib
 from tunix_train import state as state_lib
 from tunix_train.config import Config, ConfigError
@@ -140,7 +140,8 @@ def _loop(setup: Setup, state, train_step, data: GlobalBatches, evaluate, writer
     cfg = setup.cfg
     total, every = cfg.training.steps, cfg.logging.every_steps
     first_step = int(jax.device_get(state["step"]))
-    throughput, pending, summary = Throughput(first_step), None, {}
+    mfu_factor = flops.mfu_per_token_per_s(cfg.model, cfg.data.seq_len, cfg.logging, jax.devices())
+    throughput, pending, summary = Throughput(first_step, mfu_factor), None, {}
     for step in range(first_step, total):
         state, metrics = train_step(state, next(data))
         if pending is not None:
