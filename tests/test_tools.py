@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from helpers import REPO, TINY, compose_config, mesh_arg, run_cli
+from test_docs import DOCS, shown_commands, split_command
 from test_generate import full_recompute_greedy, varied
 from tunix_train import state as state_lib
 from tunix_train.train import build_setup
@@ -119,3 +120,19 @@ def test_bad_input_is_one_sentence_and_exit_2(exported, tmp_path):
         output = result.stdout + result.stderr
         assert result.returncode == 2 and message in output, output[-2000:]
         assert "Traceback" not in output
+
+
+TOOLS = ("tunix_train.generate", "tunix_train.export")
+SHOWN = [(page.name, line, name) for page in DOCS for name in TOOLS
+         for line in shown_commands(page, f"-m {name}")]
+
+
+@pytest.mark.parametrize("page,line,name", SHOWN, ids=[f"{p}:{i}" for i, (p, _, _) in
+                                                        enumerate(SHOWN)])
+def test_every_shown_tool_command_composes(page, line, name):
+    _, overrides = split_command(line, name)
+    compose_config(*overrides)
+
+
+def test_docs_show_both_tools():
+    assert {name for _, _, name in SHOWN} == set(TOOLS)

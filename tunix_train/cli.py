@@ -59,12 +59,12 @@ def compose(argv: Sequence[str]) -> Config:
             cfg = hydra_compose("config", overrides=list(argv))
         return typed(cfg, argv)
     except (HydraException, OmegaConfBaseException) as error:  # a misspelt key or bad value
-        raise ConfigError(str(error).strip().splitlines()[0]) from None
+        raise ConfigError(" ".join(str(error).split())) from None
 
 
 def tool_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(levelname)s] %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stderr)
+                        datefmt="%H:%M:%S", stream=sys.stderr, force=True)
     for noisy in ("absl", "jax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 

@@ -106,14 +106,14 @@ class Gemma3(nnx.Module):
         x_BxTxD = self.embedder.encode(tokens_BxT)
         x_BxTxD = constrain(x_BxTxD, ("act_batch", "act_seq", "act_embed"))
         local_rope, global_rope = self._rope(positions_BxT)
-        steps = []
-        for stack, rope, kind, window in ((self.local_layers, local_rope, "local",
-                                           self.cfg.sliding_window),
-                                          (self.global_layers, global_rope, "global", None)):
-            steps.append(None if stack is None else self._decode_step(
-                stack, rope, positions_BxT, cache[kind], cache["next"], window))
-        xs = [None if stack is None else (nnx.state(stack), cache[kind]["layers"])
-              for stack, kind in ((self.local_layers, "local"), (self.global_layers, "global"))]
+        steps, xs = [], []  # per kind: the scan body, and (layer params, layer caches) to scan
+        for kind, stack, rope, window in (
+                ("local", self.local_layers, local_rope, self.cfg.sliding_window),
+                ("global", self.global_layers, global_rope, None)):
+            present = stack is not None
+            steps.append(self._decode_step(stack, rope, positions_BxT, cache[kind],
+                                           cache["next"], window) if present else None)
+            xs.append((nnx.state(stack), cache[kind]["layers"]) if present else None)
         x_BxTxD, local_kv, global_kv = self._run_layers(x_BxTxD, *steps, *xs)
         logits_BxTxV = self.embedder.decode(self.final_norm(x_BxTxD))
         return logits_BxTxV, kv_cache.advance(cache, positions_BxT, local_kv, global_kv)
