@@ -139,6 +139,14 @@ def load_params(path: str | Path, abstract_params: Any, shardings: Any,
     return params
 
 
+def saved_config(path: str | Path) -> dict:
+    """The resolved config saved with the newest committed step under `path`."""
+    directory, steps = locate(path)
+    items = _reader(directory).restore(
+        steps[0], args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+    return dict(items.config)
+
+
 def locate(path: str | Path) -> tuple[Path, list[int]]:
     """(checkpoint directory, candidate steps, newest first) for a run, checkpoints or step dir."""
     path = Path(path)

@@ -57,7 +57,8 @@ class ModelConfig:
     global_rope_scale: float = 1.0  # linear RoPE scaling on global layers (8 for 4B)
     query_pre_attn_scalar: Optional[float] = None  # softmax scale is its -1/2 power; None = head_dim
     rms_norm_eps: float = 1e-6
-    attention_impl: str = "auto"  # auto | xla | cudnn (jax.nn.dot_product_attention)
+    attention_impl: str = "auto"  # auto (cudnn on GPUs where it applies, else xla) | xla | cudnn
+    init_from: Optional[str] = None  # hf:<dir> = dimensions and weights of a Hugging Face checkpoint
     mesh_shape: List[Any] = field(default_factory=lambda: [[-1, 1], ["fsdp", "tp"]])
     sharding_rules: Dict[str, Optional[str]] = field(
         default_factory=lambda: dict(DEFAULT_SHARDING_RULES)
@@ -121,6 +122,24 @@ class LoggingConfig:
 
 
 @dataclass
+class GenerateConfig:
+    prompt: Optional[str] = None  # text, encoded with data.tokenizer
+    prompt_ids: Optional[List[int]] = None  # token ids instead of text (no tokenizer needed)
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # 0 = greedy (argmax)
+    top_k: int = 0  # sample among the k most likely tokens; 0 = all
+    seed: int = 0  # sampling randomness
+    eos_id: Optional[int] = None  # a row stops at this token; None = the tokenizer's EOS; -1 = never
+
+
+@dataclass
+class ExportConfig:
+    path: Optional[str] = None  # output folder: config.json + *.safetensors, loadable by transformers
+    dtype: str = "bfloat16"  # bfloat16 (as Gemma 3 is released) | float32
+    max_shard_gb: float = 5.0  # safetensors files are split at this size (GB), with an index
+
+
+@dataclass
 class ExperimentConfig:
     name: str = "default"
 
@@ -142,6 +161,8 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
 
 
 def register_configs() -> None:
@@ -164,6 +185,7 @@ _CHOICES = {
     ("training", "nan_policy"): ("halt", "skip"),
     ("model", "attention_impl"): ("auto", "xla", "cudnn"),
     ("logging", "progress"): ("auto", "always", "never"),
+    ("export", "dtype"): ("bfloat16", "float32"),
 }
 
 _POSITIVE = (
@@ -172,7 +194,7 @@ _POSITIVE = (
     ("model", "vocab_size"), ("model", "sliding_window"), ("model", "global_every"),
     ("data", "seq_len"), ("training", "steps"), ("training", "micro_batch_size"),
     ("training", "gradient_accumulation_steps"), ("logging", "every_steps"),
-    ("checkpoint", "keep"), ("distributed", "step_timeout_s"),
+    ("checkpoint", "keep"), ("distributed", "step_timeout_s"), ("generate", "max_new_tokens"),
 )
 
 

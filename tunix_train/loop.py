@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import jax
 
 from tunix_train import config as config_lib
-from tunix_train import optim
+from tunix_train import flops, optim
 from tunix_train.checkpoint import Checkpoints
 from tunix_train.data.pipeline import GlobalBatches
 from tunix_train.faults import Faults
@@ -53,7 +53,10 @@ class Loop:
     def run(self, state) -> tuple[Any, dict]:
         first = int(jax.device_get(state["step"]))
         self._skipped = int(jax.device_get(optim.skipped_updates(state["opt_state"])))
-        self._throughput = Throughput(first)
+        cfg = self.setup.cfg
+        mfu_factor = flops.mfu_per_token_per_s(cfg.model, cfg.data.seq_len, cfg.logging,
+                                               jax.devices())
+        self._throughput = Throughput(first, mfu_factor)
         self.summary.update(final_step=first, preempted=False, skipped_steps=self._skipped)
         with PreemptionSignal() as preemption, \
                 Watchdog(self.setup.cfg.distributed.step_timeout_s) as watchdog:
