@@ -107,7 +107,7 @@ def test_training_from_an_imported_checkpoint_logs_mfu(run_dir, exported, tmp_pa
 def test_bad_input_is_one_sentence_and_exit_2(exported, tmp_path):
     cases = [
         (["-m", "tunix_train.export", f"checkpoint.resume_from={tmp_path}",
-          f"export.path={tmp_path / 'out'}"], "no checkpoint under"),
+          f"export.path={tmp_path / 'out'}"], "holds no committed checkpoint"),
         (["-m", "tunix_train.generate", f"model.init_from=hf:{exported}"],
          "set exactly one of generate.prompt"),
         ([str(REPO / "run_training.py"), f"model.init_from=hf:{exported}", "model.num_layers=3",
