@@ -56,13 +56,27 @@ def train_losses(cfg: Config, steps: int, devices=None) -> tuple[np.ndarray, dic
     return np.array(losses), state
 
 
-def run_cli(args: list[str], cwd: Path, env_extra: dict | None = None, timeout: int = 600,
-            script: str = "run_training.py") -> subprocess.CompletedProcess:
+def cli_env(env_extra: dict | None = None) -> dict:
+    """The test process's environment without its 8 forced devices, plus `env_extra`."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(env_extra or {})
+    return env
+
+
+def run_cli(args: list[str], cwd: Path, env_extra: dict | None = None, timeout: int = 600,
+            script: str = "run_training.py") -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(REPO / script), *args], cwd=cwd, env=env, capture_output=True,
-        text=True, timeout=timeout,
+        [sys.executable, str(REPO / script), *args], cwd=cwd, env=cli_env(env_extra),
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def start_cli(args: list[str], cwd: Path, env_extra: dict | None = None,
+              script: str = "run_training.py") -> subprocess.Popen:
+    """A running CLI whose stdout and stderr are one stream of text lines (to react to them)."""
+    return subprocess.Popen(
+        [sys.executable, str(REPO / script), *args], cwd=cwd, env=cli_env(env_extra),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
     )
 
 

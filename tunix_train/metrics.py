@@ -91,20 +91,28 @@ class MetricsWriter:
 
 
 class Throughput:
-    """Wall-clock rate over each logging interval (the host does not wait on the device per step)."""
+    """Wall-clock rate over each logging interval (the host does not wait on the device per step).
 
-    def __init__(self, step: int):
+    With `mfu_factor` (model FLOPs per token / total peak FLOP/s, see flops.py) it adds `mfu`.
+    """
+
+    def __init__(self, step: int, mfu_factor: float | None = None):
         self._step, self._time = step, time.perf_counter()
+        self._mfu_factor = mfu_factor
 
     def interval(self, step: int, tokens_per_step: int) -> dict[str, float]:
         now = time.perf_counter()
         steps = max(step - self._step, 1)
         seconds = now - self._time
         self._step, self._time = step, now
-        return {"step_time_s": seconds / steps, "tokens_per_s": tokens_per_step * steps / seconds}
+        rates = {"step_time_s": seconds / steps, "tokens_per_s": tokens_per_step * steps / seconds}
+        if self._mfu_factor is not None:
+            rates["mfu"] = rates["tokens_per_s"] * self._mfu_factor
+        return rates
 
 
 def format_line(step: int, total: int, values: dict[str, Any]) -> str:
     return (f"step {step}/{total} | loss {values['loss']:.4f} | lr {values['lr']:.2e} | "
             f"grad_norm {values['grad_norm']:.3f} | {values['tokens_per_s']:,.0f} tok/s | "
-            f"{values['step_time_s']:.3f} s/step")
+            f"{values['step_time_s']:.3f} s/step"
+            + (f" | MFU {values['mfu']:.1%}" if "mfu" in values else ""))

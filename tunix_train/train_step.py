@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from tunix_train import gradients
 from tunix_train.gradients import GradientPlan
+from tunix_train.optim import skipped_updates
 from tunix_train.sharding import LogicalRules, activate, per_shard_rules
 from tunix_train.state import StateSpec, TrainState
 
@@ -64,7 +65,9 @@ def train_step_fn(spec: StateSpec, optimizer: optax.GradientTransformation,
         with activate(options.mesh, per_shard_rules(options.rules)):  # in effect while jit traces
             grads, loss_sum, tokens = gradients.accumulated(options.gradients, loss_fn, params,
                                                             batch)
-        denominator = jnp.maximum(tokens, 1.0)
+        # A non-finite loss makes every gradient NaN here (in the division that happens anyway),
+        # so the optimizer's finiteness guard skips the update even if the gradients were finite.
+        denominator = jnp.where(jnp.isfinite(loss_sum), jnp.maximum(tokens, 1.0), jnp.nan)
         grads = jax.tree.map(lambda g: (g / denominator).astype(jnp.float32), grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         new_state = {
@@ -77,6 +80,7 @@ def train_step_fn(spec: StateSpec, optimizer: optax.GradientTransformation,
             "grad_norm": optax.global_norm(grads),
             "lr": schedule(state["step"]),
             "tokens": tokens,
+            "skipped_steps": skipped_updates(opt_state),
         }
         return new_state, metrics
 
