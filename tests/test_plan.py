@@ -3,8 +3,6 @@
 
 import json
 import os
-import re
-import shlex
 import subprocess
 import sys
 
@@ -51,13 +49,12 @@ def test_planner_needs_every_mesh_size(tmp_path):
 
 
 def test_shown_planner_commands_compose():
-    page = (REPO / "docs" / "memory_and_communication.md").read_text()
-    commands = [line for block in re.findall(r"```bash\n(.*?)```", page, flags=re.S)
-                for line in block.splitlines() if "python -m tunix_train.plan" in line]
-    assert len(commands) >= 4
-    for command in commands:
-        words = shlex.split(command.split("  #")[0])
-        compose_config(*words[words.index("tunix_train.plan") + 1:])
+    from test_docs import DOCS, shown_commands, split_command
+
+    shown = [line for page in DOCS for line in shown_commands(page, "-m tunix_train.plan")]
+    assert len(shown) >= 5  # README and memory_and_communication.md
+    for line in shown:
+        compose_config(*split_command(line, "tunix_train.plan")[1])
 
 
 def test_profiled_run_leaves_report_trace_and_startup_lines(tmp_path):
