@@ -78,3 +78,24 @@ def start_cli(args: list[str], cwd: Path, env_extra: dict | None = None,
         [sys.executable, str(REPO / script), *args], cwd=cwd, env=cli_env(env_extra),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
     )
+
+
+def compiled_run(cfg: Config, steps: int, devices=None):
+    """The step compiled ahead of time as a run compiles it, its analysis, and `steps` losses.
+
+    Returns (setup, analysis, losses, final state)."""
+    from tunix_train import step_analysis
+
+    setup = build_setup(cfg, devices)
+    batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
+    compiled = step_analysis.compile_step(setup, batch_sharding)
+    analysis = step_analysis.analyse(setup, compiled)
+    losses, state = [], None
+    if steps:
+        windows, _ = load_windows(cfg.data, cfg.model)
+        data = GlobalBatches(windows, setup.batch, batch_sharding, cfg.training.seed)
+        state = state_lib.init(cfg, setup.spec, setup.optimizer)
+        for step in range(steps):
+            state, metrics = compiled(state, data.batch(step))
+            losses.append(float(metrics["loss"]))
+    return setup, analysis, np.array(losses), state

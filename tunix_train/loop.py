@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import jax
 
 from tunix_train import config as config_lib
-from tunix_train import flops, optim
+from tunix_train import flops, optim, profiling
 from tunix_train.checkpoint import Checkpoints
 from tunix_train.data.pipeline import GlobalBatches
 from tunix_train.faults import Faults
@@ -131,6 +131,7 @@ class Loop:
 
     def _report(self, step: int, values: dict[str, float]) -> None:
         values.update(self._throughput.interval(step, self.setup.tokens_per_step))
+        values.update(profiling.memory_scalars())  # peak device memory, where the backend counts
         self.summary.setdefault("first_loss", values["loss"])
         self.summary["last_loss"] = values["loss"]
         self.writer.scalars(step, values)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from tunix_train import checkpoint, distributed, optim, sharding
+from tunix_train import checkpoint, distributed, optim, profiling, sharding, step_analysis
 from tunix_train import config as config_lib
 from tunix_train import faults as faults_lib
 from tunix_train import mesh as mesh_lib
@@ -20,9 +20,10 @@ from tunix_train import state as state_lib
 from tunix_train.checkpoint import Checkpoints
 from tunix_train.config import Config, ConfigError
 from tunix_train.data.pipeline import BatchShape, GlobalBatches, load_windows
+from tunix_train.gradients import GradientPlan
 from tunix_train.loop import Loop
 from tunix_train.metrics import MetricsWriter, setup_process_logging
-from tunix_train.train_step import StepOptions, jit_eval_step, jit_train_step
+from tunix_train.train_step import StepOptions, jit_eval_step
 
 log = logging.getLogger("tunix_train")
 
@@ -57,7 +58,7 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
     writer = MetricsWriter(run_dir, cfg.logging, cfg.training.steps, first_step)
     _log_startup(setup, writer)
     _log_param_bytes(state)
-    train_step, evaluate = _compiled_steps(setup, eval_data)
+    train_step, evaluate = _compiled_steps(setup, eval_data, writer, run_dir)
     if first_step == 0:
         _initial_evaluation(state, evaluate, writer)
     checkpoints = Checkpoints(run_dir, cfg.checkpoint)  # after a restore set damaged steps aside
@@ -73,10 +74,10 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
     return summary
 
 
-def _compiled_steps(setup: Setup, eval_data: GlobalBatches) -> tuple[Callable, Callable]:
+def _compiled_steps(setup: Setup, eval_data: GlobalBatches, writer: MetricsWriter,
+                    run_dir: Path) -> tuple[Callable, Callable]:
     batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
-    train_step = jit_train_step(setup.spec, setup.optimizer, setup.schedule, setup.options,
-                                batch_sharding)
+    train_step = _compiled_train_step(setup, batch_sharding, writer, run_dir)
     return train_step, _evaluator(setup, eval_data, batch_sharding)
 
 
@@ -116,6 +117,15 @@ def _final_evaluation(state, summary: dict, evaluate, writer: MetricsWriter) -> 
     log.info("final validation loss %.4f (step %d)", summary["eval_loss"], summary["final_step"])
 
 
+def _compiled_train_step(setup: Setup, batch_sharding, writer: MetricsWriter, run_dir: Path):
+    """Compiled ahead of time, so memory and communication are known before the first step."""
+    compiled = step_analysis.compile_step(setup, batch_sharding)
+    step_analysis.report(setup, step_analysis.analyse(setup, compiled), writer, run_dir)
+    if setup.cfg.training.profile_communication:
+        return profiling.traced(compiled, run_dir / "tensorboard", setup.cfg.training.steps)
+    return compiled
+
+
 def build_setup(cfg: Config, devices: list[jax.Device] | None = None) -> Setup:
     """`devices` defaults to all of them; tests pass a subset to compare meshes in one process."""
     devices = devices if devices is not None else jax.devices()
@@ -123,13 +133,16 @@ def build_setup(cfg: Config, devices: list[jax.Device] | None = None) -> Setup:
     mesh = mesh_lib.build(shape, devices)
     plan = sharding.plan(cfg.model, mesh, cfg.training.zero_stage)
     batch = batch_shape(cfg, shape.fsdp)
-    options = StepOptions(
-        compute_dtype=compute_dtype(cfg.training.mixed_precision),
-        accumulation_steps=batch.accum, mesh=mesh, rules=plan.params,
-    )
     optimizer = optim.build(cfg.optimizer, cfg.training.steps)
     schedule = optim.schedule(cfg.optimizer, cfg.training.steps)
     spec = state_lib.spec(cfg, mesh, plan, optimizer)
+    dtype = compute_dtype(cfg.training.mixed_precision)
+    grads = GradientPlan(
+        mesh=mesh, grad_specs=jax.tree.map(lambda s: s.spec, spec.grad_shardings),
+        accumulation_steps=batch.accum,
+        sync_every=cfg.training.sync_gradients_every or batch.accum, reduce_dtype=dtype,
+    )
+    options = StepOptions(compute_dtype=dtype, gradients=grads, mesh=mesh, rules=plan.params)
     return Setup(cfg, mesh, plan, batch, options, optimizer, schedule, spec)
 
 
