@@ -77,14 +77,11 @@ def _initialize_args(cfg: DistributedConfig, job: Job) -> dict:
     if job.source != "cluster":
         args.update(coordinator_address=job.coordinator, num_processes=job.num_processes,
                     process_id=job.process_id)
-    if job.local_world_size > 1 and not _cpu_only():
-        # One process per GPU: each process sees only the device of its local rank.
+    if job.local_world_size > 1 and job.source != "cluster":
+        # One process per GPU: each process sees only the device of its local rank (CPU
+        # backends ignore this). Under SLURM / Open MPI, JAX's cluster detection decides.
         args["local_device_ids"] = [job.local_rank]
     return args
-
-
-def _cpu_only() -> bool:
-    return os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu"
 
 
 class _init_watchdog:

@@ -116,6 +116,7 @@ def _device_grid(shape: MeshShape, devices: list[jax.Device], per_node: int) -> 
                 "model.mesh_shape puts tp=%d across nodes of %d devices: every layer will "
                 "communicate over the network; prefer tp <= %d and more fsdp.",
                 tp, local * per_node, local * per_node)
-        ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
-        grid = np.array(ordered).reshape(fsdp, tp)
+        grid = np.empty(len(devices), dtype=object)
+        grid[:] = sorted(devices, key=lambda d: (d.process_index, d.id))
+        grid = grid.reshape(fsdp, tp)
     return grid if shape.names == AXES else grid.T
