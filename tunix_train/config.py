@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"  # the Hydra tree (editable install)
 
 
 class ConfigError(ValueError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -22,12 +23,18 @@ log = logging.getLogger("tunix_train")
 
 
 def setup_process_logging(process_index: int) -> None:
-    """Rank 0 logs in full; other ranks only warnings and errors, prefixed with their rank."""
+    """Rank 0 logs in full; other ranks only warnings and errors, prefixed with their rank.
+
+    Under our launcher, console lines are already prefixed by it; files still need the prefix.
+    """
     if process_index == 0:
         return
     root = logging.getLogger()
     root.setLevel(logging.WARNING)
+    launcher_prefixes = os.environ.get("TUNIX_TRAIN_LAUNCHER") == "1"
     for handler in root.handlers:
+        if launcher_prefixes and not isinstance(handler, logging.FileHandler):
+            continue
         fmt = handler.formatter._fmt if handler.formatter else "%(message)s"  # noqa: SLF001
         handler.setFormatter(logging.Formatter(f"[rank {process_index}] {fmt}"))
 

@@ -48,10 +48,10 @@ class Setup:
 
 def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
     config_lib.validate(cfg)
-    distributed.initialize(cfg.distributed)
+    job = distributed.initialize(cfg.distributed)
     setup_process_logging(jax.process_index())
     faults = faults_lib.load()
-    setup = build_setup(cfg)
+    setup = build_setup(cfg, processes_per_node=job.local_world_size)
     train_data, eval_data = _data(setup)
     state = _initial_state(setup, run_dir, train_data)
     first_step = int(jax.device_get(state["step"]))
@@ -126,11 +126,12 @@ def _compiled_train_step(setup: Setup, batch_sharding, writer: MetricsWriter, ru
     return compiled
 
 
-def build_setup(cfg: Config, devices: list[jax.Device] | None = None) -> Setup:
+def build_setup(cfg: Config, devices: list[jax.Device] | None = None,
+                processes_per_node: int = 1) -> Setup:
     """`devices` defaults to all of them; tests pass a subset to compare meshes in one process."""
     devices = devices if devices is not None else jax.devices()
     shape = mesh_lib.parse(cfg.model.mesh_shape, len(devices))
-    mesh = mesh_lib.build(shape, devices)
+    mesh = mesh_lib.build(shape, devices, processes_per_node)
     plan = sharding.plan(cfg.model, mesh, cfg.training.zero_stage)
     batch = batch_shape(cfg, shape.fsdp)
     optimizer = optim.build(cfg.optimizer, cfg.training.steps)
