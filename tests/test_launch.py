@@ -132,3 +132,24 @@ def test_a_missing_node_launcher_is_a_clear_timeout(tmp_path):
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0
     assert "launchers of 1 of WORLD_SIZE=2 processes joined" in output
+
+
+def test_sigterm_to_the_launcher_saves_one_checkpoint_and_every_process_exits_0(tmp_path):
+    proc = launch([*TINY, "training.steps=100000", mesh_arg(4, 1), "logging.every_steps=1",
+                   "training.global_batch_size=8"], tmp_path, devices_env(2))
+    deadline = time.monotonic() + 400
+    while not list(tmp_path.glob("outputs/*/*/*/metrics.jsonl")) or not only_run_dir(
+            tmp_path).joinpath("metrics.jsonl").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.5)
+    children = _children(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-3000:]
+    steps = sorted(int(p.name) for p in (only_run_dir(tmp_path) / "checkpoints").iterdir()
+                   if p.name.isdigit())
+    assert len(steps) == 1, steps
+    stopped = [line for line in output.splitlines() if "for preemption; checkpoint saved" in line]
+    assert {line.split("]")[0] for line in stopped} == {"[rank 0", "[rank 1"}  # same step, both
+    assert len({line.split("after step")[1] for line in stopped}) == 1
+    assert all(not Path(f"/proc/{pid}").exists() for pid in children)

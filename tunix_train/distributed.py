@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 # JAX aborts the whole process (no Python exception) when its own initialisation deadline
 # passes, so our watchdog fires first and says what to fix; JAX's deadline is a backstop.
 _JAX_DEADLINE_MARGIN_S = 30
+INIT_TIMEOUT_EXIT_CODE = 5  # 2 config error, 3 non-finite loss, 4 stuck step (see cli.py)
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class _init_watchdog:
             "MASTER_ADDR, MASTER_PORT and WORLD_SIZE, or raise distributed.init_timeout_s.",
             timeout_s, job.num_processes, job.coordinator or "the cluster's", job.process_id)
         logging.shutdown()
-        os._exit(3)  # the main thread is blocked inside JAX's C++ client
+        os._exit(INIT_TIMEOUT_EXIT_CODE)  # the main thread is blocked inside JAX's C++ client
 
     def __enter__(self):
         self._thread.start()
