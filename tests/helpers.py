@@ -56,11 +56,46 @@ def train_losses(cfg: Config, steps: int, devices=None) -> tuple[np.ndarray, dic
     return np.array(losses), state
 
 
-def run_cli(args: list[str], cwd: Path, env_extra: dict | None = None, timeout: int = 600,
-            script: str = "run_training.py") -> subprocess.CompletedProcess:
+def cli_env(env_extra: dict | None = None) -> dict:
+    """The test process's environment without its 8 forced devices, plus `env_extra`."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(env_extra or {})
+    return env
+
+
+def run_cli(args: list[str], cwd: Path, env_extra: dict | None = None, timeout: int = 600,
+            script: str = "run_training.py") -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(REPO / script), *args], cwd=cwd, env=env, capture_output=True,
-        text=True, timeout=timeout,
+        [sys.executable, str(REPO / script), *args], cwd=cwd, env=cli_env(env_extra),
+        capture_output=True, text=True, timeout=timeout,
     )
+
+
+def start_cli(args: list[str], cwd: Path, env_extra: dict | None = None,
+              script: str = "run_training.py") -> subprocess.Popen:
+    """A running CLI whose stdout and stderr are one stream of text lines (to react to them)."""
+    return subprocess.Popen(
+        [sys.executable, str(REPO / script), *args], cwd=cwd, env=cli_env(env_extra),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+    )
+
+
+def compiled_run(cfg: Config, steps: int, devices=None):
+    """The step compiled ahead of time as a run compiles it, its analysis, and `steps` losses.
+
+    Returns (setup, analysis, losses, final state)."""
+    from tunix_train import step_analysis
+
+    setup = build_setup(cfg, devices)
+    batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
+    compiled = step_analysis.compile_step(setup, batch_sharding)
+    analysis = step_analysis.analyse(setup, compiled)
+    losses, state = [], None
+    if steps:
+        data = pipeline.build(cfg.data, cfg.model, cfg.training.seed, setup.batch, batch_sharding)
+        state = state_lib.init(cfg, setup.spec, setup.optimizer)
+        for _ in range(steps):
+            state, metrics = compiled(state, next(data.train))
+            losses.append(float(metrics["loss"]))
+        data.close()
+    return setup, analysis, np.array(losses), state

@@ -12,17 +12,19 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
 def shown_commands(path: Path, script: str = "run_training.py") -> list[str]:
-    """Shell lines inside ```bash blocks that invoke `script`."""
+    """Shell lines inside ```bash blocks that invoke `script` (directly or via the launcher)."""
     blocks = re.findall(r"```bash\n(.*?)```", path.read_text(), flags=re.S)
     lines = [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()]
-    return [line for line in lines if f"python {script}" in line]
+    return [line for line in lines if f" {script}" in line and not line.startswith("#")]
 
 
 def split_command(line: str, script: str = "run_training.py") -> tuple[dict, list[str]]:
     """(environment assignments, Hydra overrides) of one shown command."""
     words = shlex.split(line.split("&&")[-1])
+    while script not in words:  # `srun bash -c '... run_training.py ...'`
+        words = shlex.split(next(w for w in words if script in w))
     at = words.index(script)
-    env = dict(w.split("=", 1) for w in words[: at - 1] if "=" in w)
+    env = dict(w.split("=", 1) for w in words[:at] if re.match(r"^[A-Z_]+=", w))
     return env, words[at + 1:]
 
 
@@ -33,7 +35,7 @@ ALL = [(p.name, c) for p in DOCS for c in shown_commands(p)]
 def test_every_shown_training_command_composes(page, command):
     _, words = split_command(command)
     flags_with_values = {i + 1 for i, w in enumerate(words) if w in ("--cfg", "-c")}
-    overrides = [w for i, w in enumerate(words) if not w.startswith("-")
+    overrides = [w for i, w in enumerate(words) if not w.startswith(("-", "hydra."))
                  and i not in flags_with_values]
     compose_config(*overrides)
 

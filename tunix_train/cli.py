@@ -7,7 +7,7 @@ import contextlib
 import logging
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -16,24 +16,77 @@ from tunix_train.config import Config, ConfigError
 log = logging.getLogger("tunix_train")
 
 EXIT_CONFIG_ERROR = 2
+EXIT_NON_FINITE = 3  # training.nan_policy=halt met a non-finite step (the watchdog exits 4)
 
 
-def typed(cfg: DictConfig) -> Config:
-    return OmegaConf.to_object(cfg)
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def typed(cfg: DictConfig, overrides: Sequence[str] = ()) -> Config:
+    """The typed config; with `model.init_from`, model dimensions come from that checkpoint."""
+    from tunix_train.models import hf_config
+
+    config = OmegaConf.to_object(cfg)
+    config.model = hf_config.resolve(config.model, explicit_model_keys(overrides))
+    return config
+
+
+def explicit_model_keys(overrides: Sequence[str]) -> set[str]:
+    """Model keys the user chose on the command line: `model.k=v`, or all of a `model=<name>`."""
+    from tunix_train.models import hf_config
+
+    keys = set()
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key == "model":
+            keys.update(hf_config.CHECKPOINT_KEYS)
+        elif key.startswith("model."):
+            keys.add(key.split(".")[1])
+    return keys
+
+
+def compose(argv: Sequence[str]) -> Config:
+    """Config of a `python -m tunix_train.<tool> overrides...` command (no Hydra run dir)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    from tunix_train.config import register_configs
+
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    register_configs()
+    try:
+        with initialize_config_dir(str(CONFIGS), version_base=None):
+            cfg = hydra_compose("config", overrides=list(argv))
+        return typed(cfg, argv)
+    except (HydraException, OmegaConfBaseException) as error:  # a misspelt key or bad value
+        raise ConfigError(" ".join(str(error).split())) from None
+
+
+def tool_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(levelname)s] %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stderr, force=True)
+    for noisy in ("absl", "jax"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
-    """A ConfigError is the user's to fix: print its sentence, not a traceback."""
+    """A ConfigError is the user's to fix, a halt on NaN the run's: one sentence, no traceback."""
     try:
         yield
     except ConfigError as error:
         log.error("error: %s", error)
         sys.exit(EXIT_CONFIG_ERROR)
+    except FloatingPointError as error:  # the loop's NonFiniteLoss: the run, not the code, failed
+        log.error("error: %s", error)
+        sys.exit(EXIT_NON_FINITE)
 
 
 def run_training(cfg: DictConfig, run_dir: str) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
     from tunix_train import train  # after Hydra has set up logging and the run dir
 
     with user_errors():
-        train.run(typed(cfg), Path(run_dir))
+        train.run(typed(cfg, HydraConfig.get().overrides.task), Path(run_dir))

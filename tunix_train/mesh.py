@@ -90,35 +90,33 @@ def _split(mesh_shape: Sequence[Any]) -> tuple[tuple[int, ...], tuple[str, ...]]
     return sizes, names
 
 
-def build(shape: MeshShape, devices: Sequence[jax.Device] | None = None) -> Mesh:
+def build(shape: MeshShape, devices: Sequence[jax.Device] | None = None,
+          processes_per_node: int = 1) -> Mesh:
     """Arranges devices into the mesh with Auto axis types (sharded matmuls need Auto)."""
     devices = list(devices if devices is not None else jax.devices())
-    ordered = _device_grid(shape, devices)
-    return Mesh(ordered, shape.names, axis_types=(AxisType.Auto,) * len(shape.names))
+    grid = _device_grid(shape, devices, processes_per_node)
+    return Mesh(grid, shape.names, axis_types=(AxisType.Auto,) * len(shape.names))
 
 
-def _device_grid(shape: MeshShape, devices: list[jax.Device]) -> np.ndarray:
-    """Device array in the order of `shape.names`, tp kept inside a process where it fits."""
-    processes = sorted({d.process_index for d in devices})
+def _device_grid(shape: MeshShape, devices: list[jax.Device], per_node: int) -> np.ndarray:
+    """Device array in the order of `shape.names`: tp groups inside a process, else a node."""
     fsdp, tp = shape.fsdp, shape.tp
-    if len(processes) == 1:
-        grid = mesh_utils.create_device_mesh((fsdp, tp), devices)
-    else:
-        grid = _hybrid_grid(fsdp, tp, devices, len(processes))
-    return grid if shape.names == AXES else grid.T
-
-
-def _hybrid_grid(fsdp: int, tp: int, devices: list[jax.Device], nprocs: int) -> np.ndarray:
+    nprocs = len({d.process_index for d in devices})
     local = len(devices) // nprocs
-    if local % tp == 0:
-        ici, dcn = (local // tp, tp), (nprocs, 1)
-    elif tp % local == 0:
-        log.warning(
-            "model.mesh_shape puts tp=%d across processes of %d devices each: every layer "
-            "will communicate between processes; prefer tp <= %d.", tp, local, local,
-        )
-        ici, dcn = (1, local), (fsdp, tp // local)
+    if nprocs == 1:
+        grid = mesh_utils.create_device_mesh((fsdp, tp), devices)
+    elif local % tp == 0:
+        grid = mesh_utils.create_hybrid_device_mesh(
+            (local // tp, tp), (nprocs, 1), devices, process_is_granule=True)
     else:
-        ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
-        return np.array(ordered).reshape(fsdp, tp)
-    return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=True)
+        # tp spans processes; ranks of a node are consecutive, so consecutive devices in
+        # (process, id) order keep each tp group on as few nodes as possible.
+        if tp > local * per_node:
+            log.warning(
+                "model.mesh_shape puts tp=%d across nodes of %d devices: every layer will "
+                "communicate over the network; prefer tp <= %d and more fsdp.",
+                tp, local * per_node, local * per_node)
+        grid = np.empty(len(devices), dtype=object)
+        grid[:] = sorted(devices, key=lambda d: (d.process_index, d.id))
+        grid = grid.reshape(fsdp, tp)
+    return grid if shape.names == AXES else grid.T

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -22,12 +23,18 @@ log = logging.getLogger("tunix_train")
 
 
 def setup_process_logging(process_index: int) -> None:
-    """Rank 0 logs in full; other ranks only warnings and errors, prefixed with their rank."""
+    """Rank 0 logs in full; other ranks only warnings and errors, prefixed with their rank.
+
+    Under our launcher, console lines are already prefixed by it; files still need the prefix.
+    """
     if process_index == 0:
         return
     root = logging.getLogger()
     root.setLevel(logging.WARNING)
+    launcher_prefixes = os.environ.get("TUNIX_TRAIN_LAUNCHER") == "1"
     for handler in root.handlers:
+        if launcher_prefixes and not isinstance(handler, logging.FileHandler):
+            continue
         fmt = handler.formatter._fmt if handler.formatter else "%(message)s"  # noqa: SLF001
         handler.setFormatter(logging.Formatter(f"[rank {process_index}] {fmt}"))
 
@@ -91,20 +98,28 @@ class MetricsWriter:
 
 
 class Throughput:
-    """Wall-clock rate over each logging interval (the host does not wait on the device per step)."""
+    """Wall-clock rate over each logging interval (the host does not wait on the device per step).
 
-    def __init__(self, step: int):
+    With `mfu_factor` (model FLOPs per token / total peak FLOP/s, see flops.py) it adds `mfu`.
+    """
+
+    def __init__(self, step: int, mfu_factor: float | None = None):
         self._step, self._time = step, time.perf_counter()
+        self._mfu_factor = mfu_factor
 
     def interval(self, step: int, tokens_per_step: int) -> dict[str, float]:
         now = time.perf_counter()
         steps = max(step - self._step, 1)
         seconds = now - self._time
         self._step, self._time = step, now
-        return {"step_time_s": seconds / steps, "tokens_per_s": tokens_per_step * steps / seconds}
+        rates = {"step_time_s": seconds / steps, "tokens_per_s": tokens_per_step * steps / seconds}
+        if self._mfu_factor is not None:
+            rates["mfu"] = rates["tokens_per_s"] * self._mfu_factor
+        return rates
 
 
 def format_line(step: int, total: int, values: dict[str, Any]) -> str:
     return (f"step {step}/{total} | loss {values['loss']:.4f} | lr {values['lr']:.2e} | "
             f"grad_norm {values['grad_norm']:.3f} | {values['tokens_per_s']:,.0f} tok/s | "
-            f"{values['step_time_s']:.3f} s/step")
+            f"{values['step_time_s']:.3f} s/step"
+            + (f" | MFU {values['mfu']:.1%}" if "mfu" in values else ""))

@@ -1,8 +1,10 @@
-"""AdamW with linear warm-up, cosine decay, decoupled weight decay and global-norm clipping."""
+"""AdamW with linear warm-up, cosine decay, decoupled weight decay and global-norm clipping,
+skipping any update whose gradients are not finite."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from tunix_train.config import OptimizerConfig
@@ -29,6 +31,14 @@ def build(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformatio
         schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
         weight_decay=cfg.weight_decay, mask=_decay_mask,
     )
-    if cfg.grad_clip > 0:
-        return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
-    return adamw
+    inner = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip > 0 \
+        else adamw
+    # A non-finite gradient leaves parameters and moments untouched, on device, with no host
+    # round trip; the loop then halts or carries on (training.nan_policy). Never give up
+    # skipping: a run that keeps producing NaNs is halted by the policy, not by optax.
+    return optax.apply_if_finite(inner, max_consecutive_errors=int(jnp.iinfo(jnp.int32).max))
+
+
+def skipped_updates(opt_state: optax.ApplyIfFiniteState) -> jax.Array:
+    """Updates skipped so far because their gradients were not finite (int32, on device)."""
+    return opt_state.total_notfinite

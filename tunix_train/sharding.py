@@ -104,6 +104,13 @@ def plan(model: ModelConfig, mesh: Mesh, zero_stage: int) -> ShardingPlan:
     )
 
 
+def per_shard_rules(rules: LogicalRules) -> LogicalRules:
+    """Rules for code that runs on one fsdp shard's rows (see gradients.py): activations no
+    longer split over fsdp, since the shard axis itself is."""
+    return tuple((name, None if axis == FSDP and name.startswith("act_") else axis)
+                 for name, axis in rules)
+
+
 @contextlib.contextmanager
 def activate(mesh: Mesh, rules: LogicalRules) -> Iterator[None]:
     """Mesh and logical rules in effect for the model's activation constraints while tracing.

@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from tunix_train.config import Config
+from tunix_train.models import hf_weights
 from tunix_train.models.gemma3 import Gemma3
 from tunix_train.sharding import ShardingPlan, optimizer_shardings, replicated, state_shardings
 
@@ -54,7 +55,15 @@ def spec(cfg: Config, mesh: Mesh, plan: ShardingPlan,
 
 
 def init(cfg: Config, state_spec: StateSpec, optimizer: optax.GradientTransformation) -> TrainState:
-    """Random initial state, each array created directly in its sharding."""
+    """Initial state, each array created directly in its sharding: random, or with
+    `model.init_from` the checkpoint's weights and a fresh optimizer state."""
+    if cfg.model.init_from:
+        params = hf_weights.load_init_from(cfg.model, state_spec.abstract["params"],
+                                           state_spec.shardings["params"])
+        return jax.jit(
+            lambda p: {"step": jnp.zeros((), jnp.int32), "params": p, "opt_state": optimizer.init(p)},
+            out_shardings=state_spec.shardings, donate_argnums=0,
+        )(params)
 
     def make() -> TrainState:
         params = nnx.to_pure_dict(nnx.state(_new_model(cfg)))
@@ -62,6 +71,18 @@ def init(cfg: Config, state_spec: StateSpec, optimizer: optax.GradientTransforma
                 "opt_state": optimizer.init(params)}
 
     return jax.jit(make, out_shardings=state_spec.shardings)()
+
+
+def with_params(params: Any, state_spec: StateSpec,
+                optimizer: optax.GradientTransformation) -> TrainState:
+    """A state at step 0 around given (e.g. pretrained) parameters, with a fresh optimizer."""
+
+    def make(params) -> TrainState:
+        return {"step": jnp.zeros((), jnp.int32), "params": params,
+                "opt_state": optimizer.init(params)}
+
+    # Donated: the parameters move into the state instead of being copied.
+    return jax.jit(make, out_shardings=state_spec.shardings, donate_argnums=0)(params)
 
 
 def param_bytes(params: Any) -> tuple[int, int]:

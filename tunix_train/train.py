@@ -1,9 +1,8 @@
-"""`run(cfg, run_dir)`: setup → initialise → loop (step, log, evaluate) → close. Top-down."""
+"""`run(cfg, run_dir)`: setup → restore or initialise → loop (loop.py) → evaluate → close."""
 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -13,15 +12,19 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from tunix_train import checkpoint, distributed, optim, profiling, sharding, step_analysis
 from tunix_train import config as config_lib
-from tunix_train import distributed, optim, sharding
+from tunix_train import faults as faults_lib
 from tunix_train import mesh as mesh_lib
 from tunix_train import state as state_lib
+from tunix_train.checkpoint import Checkpoints
 from tunix_train.config import Config, ConfigError
 from tunix_train.data import pipeline
 from tunix_train.data.pipeline import BatchShape, GlobalBatches
-from tunix_train.metrics import MetricsWriter, Throughput, format_line, setup_process_logging
-from tunix_train.train_step import StepOptions, jit_eval_step, jit_train_step
+from tunix_train.gradients import GradientPlan
+from tunix_train.loop import Loop
+from tunix_train.metrics import MetricsWriter, setup_process_logging
+from tunix_train.train_step import StepOptions, jit_eval_step
 
 log = logging.getLogger("tunix_train")
 
@@ -46,50 +49,103 @@ class Setup:
 
 def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
     config_lib.validate(cfg)
-    distributed.initialize(cfg.distributed)
+    job = distributed.initialize(cfg.distributed)
     setup_process_logging(jax.process_index())
-    setup = build_setup(cfg)
+    faults = faults_lib.load()
+    setup = build_setup(cfg, processes_per_node=job.local_world_size)
     data = _data(setup)
-    writer = MetricsWriter(run_dir, cfg.logging, cfg.training.steps)
+    state = _initial_state(setup, run_dir, data.train)
+    first_step = int(jax.device_get(state["step"]))
+    writer = MetricsWriter(run_dir, cfg.logging, cfg.training.steps, first_step)
     _log_startup(setup, writer)
-    state = state_lib.init(cfg, setup.spec, setup.optimizer)
     _log_param_bytes(state)
-    batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
-    train_step = jit_train_step(setup.spec, setup.optimizer, setup.schedule, setup.options,
-                                batch_sharding)
-    evaluate = _evaluator(setup, data.eval_batches, batch_sharding)
-    if int(jax.device_get(state["step"])) == 0:
-        # The reference for "did it learn": the same validation batches before any update.
-        initial = evaluate(state["params"])
-        writer.scalars(0, {"loss": initial}, group="eval")
-        log.info("validation loss before training %.4f", initial)
+    train_step, evaluate = _compiled_steps(setup, data.eval_batches, writer, run_dir)
+    if first_step == 0:
+        _initial_evaluation(state, evaluate, writer)
+    checkpoints = Checkpoints(run_dir, cfg.checkpoint)  # after a restore set damaged steps aside
     try:
         with writer.console():
-            state, summary = _loop(setup, state, train_step, data.train, evaluate, writer)
-            summary["eval_loss"] = evaluate(state["params"])
-            writer.scalars(summary["final_step"], {"loss": summary["eval_loss"]}, group="eval")
-            log.info("final validation loss %.4f (step %d)", summary["eval_loss"],
-                     summary["final_step"])
+            loop = Loop(setup, train_step, data.train, evaluate, writer, checkpoints, faults)
+            state, summary = loop.run(state)
+            if not summary["preempted"]:  # the grace period is for saving, not evaluating
+                _final_evaluation(state, summary, evaluate, writer)
     finally:
+        checkpoints.close()  # waits until the last save has committed
         data.close()
         writer.close()
     return summary
 
 
-def build_setup(cfg: Config, devices: list[jax.Device] | None = None) -> Setup:
+def _compiled_steps(setup: Setup, eval_batches: list[pipeline.Batch], writer: MetricsWriter,
+                    run_dir: Path) -> tuple[Callable, Callable]:
+    batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
+    train_step = _compiled_train_step(setup, batch_sharding, writer, run_dir)
+    return train_step, _evaluator(setup, eval_batches, batch_sharding)
+
+
+def _initial_state(setup: Setup, run_dir: Path, data: GlobalBatches) -> state_lib.TrainState:
+    """Own checkpoints (a restarted run) > checkpoint.resume_from > init_params_from > fresh."""
+    cfg, spec = setup.cfg.checkpoint, setup.spec
+    own = checkpoint.own_checkpoints(run_dir)
+    if own and cfg.resume_from:
+        log.warning("%s has checkpoints: continuing this run; checkpoint.resume_from is ignored",
+                    run_dir)
+    if own or cfg.resume_from:
+        abstract = checkpoint.with_shardings(spec.abstract, spec.shardings)
+        restored = checkpoint.restore(own or cfg.resume_from, abstract, setup.cfg.model,
+                                      set_aside_in=run_dir if own else None)
+        data.set_state(restored.data_state)
+        log.info("resuming from step %d (%s)", restored.step, restored.path)
+        return restored.state
+    if cfg.init_params_from:
+        params = checkpoint.load_params(cfg.init_params_from, spec.abstract["params"],
+                                        spec.shardings["params"], setup.cfg.model)
+        log.info("parameters from %s; step and optimizer state start afresh",
+                 cfg.init_params_from)
+        return state_lib.with_params(params, spec, setup.optimizer)
+    return state_lib.init(setup.cfg, spec, setup.optimizer)
+
+
+def _initial_evaluation(state, evaluate, writer: MetricsWriter) -> None:
+    """The reference for "did it learn": the same validation batches before any update."""
+    initial = evaluate(state["params"])
+    writer.scalars(0, {"loss": initial}, group="eval")
+    log.info("validation loss before training %.4f", initial)
+
+
+def _final_evaluation(state, summary: dict, evaluate, writer: MetricsWriter) -> None:
+    summary["eval_loss"] = evaluate(state["params"])
+    writer.scalars(summary["final_step"], {"loss": summary["eval_loss"]}, group="eval")
+    log.info("final validation loss %.4f (step %d)", summary["eval_loss"], summary["final_step"])
+
+
+def _compiled_train_step(setup: Setup, batch_sharding, writer: MetricsWriter, run_dir: Path):
+    """Compiled ahead of time, so memory and communication are known before the first step."""
+    compiled = step_analysis.compile_step(setup, batch_sharding)
+    step_analysis.report(setup, step_analysis.analyse(setup, compiled), writer, run_dir)
+    if setup.cfg.training.profile_communication:
+        return profiling.traced(compiled, run_dir / "tensorboard", setup.cfg.training.steps)
+    return compiled
+
+
+def build_setup(cfg: Config, devices: list[jax.Device] | None = None,
+                processes_per_node: int = 1) -> Setup:
     """`devices` defaults to all of them; tests pass a subset to compare meshes in one process."""
     devices = devices if devices is not None else jax.devices()
     shape = mesh_lib.parse(cfg.model.mesh_shape, len(devices))
-    mesh = mesh_lib.build(shape, devices)
+    mesh = mesh_lib.build(shape, devices, processes_per_node)
     plan = sharding.plan(cfg.model, mesh, cfg.training.zero_stage)
     batch = batch_shape(cfg, shape.fsdp)
-    options = StepOptions(
-        compute_dtype=compute_dtype(cfg.training.mixed_precision),
-        accumulation_steps=batch.accum, mesh=mesh, rules=plan.params,
-    )
     optimizer = optim.build(cfg.optimizer, cfg.training.steps)
     schedule = optim.schedule(cfg.optimizer, cfg.training.steps)
     spec = state_lib.spec(cfg, mesh, plan, optimizer)
+    dtype = compute_dtype(cfg.training.mixed_precision)
+    grads = GradientPlan(
+        mesh=mesh, grad_specs=jax.tree.map(lambda s: s.spec, spec.grad_shardings),
+        accumulation_steps=batch.accum,
+        sync_every=cfg.training.sync_gradients_every or batch.accum, reduce_dtype=dtype,
+    )
+    options = StepOptions(compute_dtype=dtype, gradients=grads, mesh=mesh, rules=plan.params)
     return Setup(cfg, mesh, plan, batch, options, optimizer, schedule, spec)
 
 
@@ -131,43 +187,6 @@ def _evaluator(setup: Setup, batches: list[pipeline.Batch],
         return loss / max(tokens, 1.0)
 
     return evaluate
-
-
-def _loop(setup: Setup, state, train_step, data: GlobalBatches, evaluate, writer: MetricsWriter):
-    """Dispatches step s+1 before fetching step s's metrics, so the host never idles the device."""
-    cfg = setup.cfg
-    total, every = cfg.training.steps, cfg.logging.every_steps
-    first_step = int(jax.device_get(state["step"]))
-    throughput, pending, summary = Throughput(first_step), None, {}
-    for step in range(first_step, total):
-        state, metrics = train_step(state, next(data))
-        if pending is not None:
-            _report(pending, setup, throughput, writer, summary)
-        done = step + 1
-        pending = (done, metrics) if done % every == 0 or done == total else None
-        if cfg.training.eval_every_steps and done % cfg.training.eval_every_steps == 0 \
-                and done != total:
-            eval_loss = evaluate(state["params"])
-            writer.scalars(done, {"loss": eval_loss}, group="eval")
-            log.info("step %d | validation loss %.4f", done, eval_loss)
-    if pending is not None:
-        _report(pending, setup, throughput, writer, summary)
-    summary["final_step"] = total
-    return state, summary
-
-
-def _report(pending, setup: Setup, throughput: Throughput, writer: MetricsWriter,
-            summary: dict) -> None:
-    step, metrics = pending
-    values = {k: float(v) for k, v in jax.device_get(metrics).items() if k != "tokens"}
-    if not math.isfinite(values["loss"]):
-        raise FloatingPointError(f"loss is {values['loss']} at step {step}.")
-    values.update(throughput.interval(step, setup.tokens_per_step))
-    summary.setdefault("first_loss", values["loss"])
-    summary["last_loss"] = values["loss"]
-    writer.scalars(step, values)
-    writer.progress(step, values)
-    log.info(format_line(step, setup.cfg.training.steps, values))
 
 
 def _log_startup(setup: Setup, writer: MetricsWriter) -> None:

@@ -3,12 +3,13 @@
 Loss is the masked next-token cross-entropy in fp32. Gradient accumulation scans over
 micro-batches summing unnormalised losses and gradients, then normalises once by the total
 token count, so accumulation k × micro-batch b equals one batch of k·b exactly (up to float
-summation order).
+summation order). How gradients are summed and reduced over fsdp is gradients.py's job.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 import jax
@@ -17,7 +18,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from tunix_train.sharding import LogicalRules, activate
+from tunix_train import gradients
+from tunix_train.gradients import GradientPlan
+from tunix_train.optim import skipped_updates
+from tunix_train.sharding import LogicalRules, activate, per_shard_rules
 from tunix_train.state import StateSpec, TrainState
 
 Batch = dict[str, jax.Array]
@@ -27,7 +31,7 @@ Metrics = dict[str, jax.Array]
 @dataclass(frozen=True)
 class StepOptions:
     compute_dtype: jnp.dtype  # bf16: fp32 master weights cast for compute
-    accumulation_steps: int
+    gradients: GradientPlan
     mesh: Mesh
     rules: LogicalRules  # logical → mesh axes for the model's activation constraints
 
@@ -48,37 +52,22 @@ def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: Batch,
     return jnp.sum(token_loss_BxL * weights_BxL), jnp.sum(weights_BxL)
 
 
-def _accumulated_grads(spec: StateSpec, options: StepOptions, params: Any, batch: Batch):
-    """Sum over micro-batches of (grads, loss, tokens); the batch is [accum, B, L]."""
-
-    def micro(params, micro_batch):
-        grad_fn = jax.value_and_grad(loss_sums, argnums=1, has_aux=True)
-        (loss, tokens), grads = grad_fn(spec.graphdef, params, micro_batch, options.compute_dtype)
-        return jax.lax.with_sharding_constraint(grads, spec.grad_shardings), loss, tokens
-
-    if options.accumulation_steps == 1:
-        return micro(params, jax.tree.map(lambda x: x[0], batch))
-
-    def body(carry, micro_batch):
-        grads, loss, tokens = micro(params, micro_batch)
-        return jax.tree.map(jnp.add, carry, (grads, loss, tokens)), None
-
-    zeros = jax.lax.with_sharding_constraint(
-        jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), spec.grad_shardings
-    )
-    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-    (grads, loss, tokens), _ = jax.lax.scan(body, init, batch)
-    return grads, loss, tokens
-
-
 def train_step_fn(spec: StateSpec, optimizer: optax.GradientTransformation,
                   schedule: optax.Schedule, options: StepOptions) -> Callable:
     """The un-jitted step: state, batch → new state, metrics."""
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        with activate(options.mesh, options.rules):  # in effect while jit traces
-            grads, loss_sum, tokens = _accumulated_grads(spec, options, state["params"], batch)
-        denominator = jnp.maximum(tokens, 1.0)
+        # Cast once, still sharded: FSDP then all-gathers parameters in the compute dtype.
+        params = jax.lax.with_sharding_constraint(
+            _cast(state["params"], options.compute_dtype), spec.shardings["params"])
+        loss_fn = partial(loss_sums, spec.graphdef, compute_dtype=options.compute_dtype)
+        # Inside the per-shard vmap the batch axis is the shard axis itself: no fsdp constraint.
+        with activate(options.mesh, per_shard_rules(options.rules)):  # in effect while jit traces
+            grads, loss_sum, tokens = gradients.accumulated(options.gradients, loss_fn, params,
+                                                            batch)
+        # A non-finite loss makes every gradient NaN here (in the division that happens anyway),
+        # so the optimizer's finiteness guard skips the update even if the gradients were finite.
+        denominator = jnp.where(jnp.isfinite(loss_sum), jnp.maximum(tokens, 1.0), jnp.nan)
         grads = jax.tree.map(lambda g: (g / denominator).astype(jnp.float32), grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         new_state = {
@@ -91,6 +80,7 @@ def train_step_fn(spec: StateSpec, optimizer: optax.GradientTransformation,
             "grad_norm": optax.global_norm(grads),
             "lr": schedule(state["step"]),
             "tokens": tokens,
+            "skipped_steps": skipped_updates(opt_state),
         }
         return new_state, metrics
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tunix_train.config import ModelConfig
+from tunix_train.models import kv_cache
 from tunix_train.models.layers import DecoderLayer, Embedder, RMSNorm, rope_tables
 from tunix_train.sharding import constrain
 
@@ -89,35 +90,78 @@ class Gemma3(nnx.Module):
             positions_BxL = jnp.broadcast_to(jnp.arange(tokens_BxL.shape[1]), tokens_BxL.shape)
         x_BxLxD = self.embedder.encode(tokens_BxL)
         x_BxLxD = constrain(x_BxLxD, ("act_batch", "act_seq", "act_embed"))
-        x_BxLxD = self._layers(x_BxLxD, positions_BxL, segment_ids_BxL)
+        local_rope, global_rope = self._rope(positions_BxL)
+        local_step = self._scan_step(self.local_layers, local_rope, segment_ids_BxL,
+                                     self.cfg.sliding_window)
+        global_step = self._scan_step(self.global_layers, global_rope, segment_ids_BxL, None)
+        x_BxLxD, _, _ = self._run_layers(x_BxLxD, local_step, global_step,
+                                         self._state(self.local_layers),
+                                         self._state(self.global_layers))
         return self.embedder.decode(self.final_norm(x_BxLxD))
 
-    def _layers(self, x_BxLxD, positions_BxL, segment_ids_BxL) -> jax.Array:
+    def decode(self, tokens_BxT: jax.Array, positions_BxT: jax.Array,
+               cache: kv_cache.Cache) -> tuple[jax.Array, kv_cache.Cache]:
+        """Logits [B, T, V] of T new tokens attending to the cache and themselves; the cache
+        with the new keys and values written. Positions < 0 mark padding (attends to nothing)."""
+        x_BxTxD = self.embedder.encode(tokens_BxT)
+        x_BxTxD = constrain(x_BxTxD, ("act_batch", "act_seq", "act_embed"))
+        local_rope, global_rope = self._rope(positions_BxT)
+        steps, xs = [], []  # per kind: the scan body, and (layer params, layer caches) to scan
+        for kind, stack, rope, window in (
+                ("local", self.local_layers, local_rope, self.cfg.sliding_window),
+                ("global", self.global_layers, global_rope, None)):
+            present = stack is not None
+            steps.append(self._decode_step(stack, rope, positions_BxT, cache[kind],
+                                           cache["next"], window) if present else None)
+            xs.append((nnx.state(stack), cache[kind]["layers"]) if present else None)
+        x_BxTxD, local_kv, global_kv = self._run_layers(x_BxTxD, *steps, *xs)
+        logits_BxTxV = self.embedder.decode(self.final_norm(x_BxTxD))
+        return logits_BxTxV, kv_cache.advance(cache, positions_BxT, local_kv, global_kv)
+
+    def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype) -> kv_cache.Cache:
+        """An empty cache for rows of up to `max_len` tokens (prompt and generated together)."""
         cfg, layout = self.cfg, self.layout
-        H = cfg.head_dim
-        local_rope = rope_tables(positions_BxL, H, cfg.local_rope_base, 1.0)
-        global_rope = rope_tables(positions_BxL, H, cfg.global_rope_base, cfg.global_rope_scale)
-        local_step = self._scan_step(self.local_layers, local_rope, segment_ids_BxL,
-                                     cfg.sliding_window)
-        global_step = self._scan_step(self.global_layers, global_rope, segment_ids_BxL, None)
+        cache = {"next": jnp.zeros((), jnp.int32)}
+        for kind, count, size in (("local", layout.num_local, min(cfg.sliding_window, max_len)),
+                                  ("global", layout.num_global, max_len)):
+            if count:
+                cache[kind] = kv_cache.empty(count, batch, size, cfg.num_kv_heads, cfg.head_dim,
+                                             dtype)
+        return cache
+
+    def _rope(self, positions_BxL: jax.Array):
+        cfg = self.cfg
+        return (rope_tables(positions_BxL, cfg.head_dim, cfg.local_rope_base, 1.0),
+                rope_tables(positions_BxL, cfg.head_dim, cfg.global_rope_base,
+                            cfg.global_rope_scale))
+
+    def _run_layers(self, x, local_step, global_step, local_xs, global_xs):
+        """Runs every layer in Gemma's order: a scan over [locals..., global] blocks, then a scan
+        over the trailing locals. `*_xs` are per-layer inputs stacked like the layers (parameters,
+        and caches when decoding); returns x and the per-layer outputs, stacked the same way."""
+        layout = self.layout
         n_blocked = layout.num_blocks * layout.locals_per_block
+        local_ys = global_ys = None
         if layout.num_blocks:
             blocked = jax.tree.map(
                 lambda a: a[:n_blocked].reshape(layout.num_blocks, layout.locals_per_block,
-                                                *a.shape[1:]),
-                self._state(self.local_layers),
-            )
+                                                *a.shape[1:]), local_xs)
 
-            def block(x, params):
+            def block(x, xs):
+                ys = None
                 if layout.locals_per_block:
-                    x, _ = jax.lax.scan(local_step, x, params[0])
-                return global_step(x, params[1])
+                    x, ys = jax.lax.scan(local_step, x, xs[0])
+                x, global_ys = global_step(x, xs[1])
+                return x, (ys, global_ys)
 
-            x_BxLxD, _ = jax.lax.scan(block, x_BxLxD, (blocked, self._state(self.global_layers)))
+            x, (local_ys, global_ys) = jax.lax.scan(block, x, (blocked, global_xs))
+            local_ys = jax.tree.map(lambda a: a.reshape(n_blocked, *a.shape[2:]), local_ys)
         if layout.trailing_locals:
-            trailing = jax.tree.map(lambda a: a[n_blocked:], self._state(self.local_layers))
-            x_BxLxD, _ = jax.lax.scan(local_step, x_BxLxD, trailing)
-        return x_BxLxD
+            trailing = jax.tree.map(lambda a: a[n_blocked:], local_xs)
+            x, trailing_ys = jax.lax.scan(local_step, x, trailing)
+            local_ys = trailing_ys if local_ys is None else jax.tree.map(
+                lambda a, b: jnp.concatenate([a, b]), local_ys, trailing_ys)
+        return x, local_ys, global_ys
 
     @staticmethod
     def _state(stack: DecoderLayer | None) -> nnx.State | None:
@@ -134,6 +178,18 @@ class Gemma3(nnx.Module):
 
         if self.remat != "none":
             step = jax.checkpoint(step, policy=REMAT_POLICIES[self.remat])
+        return step
+
+    @staticmethod
+    def _decode_step(stack, cos_sin, positions_BxT, kind_cache, next_column, window):
+        graphdef = nnx.graphdef(stack)
+
+        def step(x_BxTxD, xs):
+            layer_state, layer_kv = xs
+            layer = nnx.merge(graphdef, layer_state)
+            view = kv_cache.LayerView(layer_kv, kind_cache["positions"], next_column)
+            return layer.decode(x_BxTxD, cos_sin, positions_BxT, view, window)
+
         return step
 
 

@@ -6,11 +6,14 @@ H head dim, F MLP width, V vocabulary.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from tunix_train.config import ModelConfig
+from tunix_train.models import kv_cache
 from tunix_train.sharding import constrain
 
 
@@ -90,6 +93,32 @@ class Attention(nnx.Module):
         self.implementation = cfg.attention_impl
 
     def __call__(self, x_BxLxD, cos_sin, segment_ids_BxL, window: int | None) -> jax.Array:
+        q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = self._project(x_BxLxD, cos_sin)
+        mask = None
+        if segment_ids_BxL is not None:
+            mask = segment_ids_BxL[:, None, :, None] == segment_ids_BxL[:, None, None, :]
+        out_BxLxNxH = self._attention(
+            q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mask=mask, is_causal=True,
+            local_window_size=(window - 1, 0) if window else None,
+        )
+        return self._output(out_BxLxNxH)
+
+    def decode(self, x_BxTxD, cos_sin, positions_BxT, cache: kv_cache.LayerView,
+               window: int | None) -> tuple[jax.Array, dict]:
+        """Attention of T new tokens to the cache and to each other; also the written cache."""
+        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = self._project(x_BxTxD, cos_sin)
+        k_BxSxKxH, v_BxSxKxH, k_positions_BxS = cache.keys_values(
+            k_BxTxKxH.astype(cache.kv["k"].dtype), v_BxTxKxH.astype(cache.kv["v"].dtype),
+            positions_BxT)
+        mask = kv_cache.mask(positions_BxT, k_positions_BxS, window)
+        out_BxTxNxH = jax.nn.dot_product_attention(
+            q_BxTxNxH.astype(k_BxSxKxH.dtype), k_BxSxKxH, v_BxSxKxH, mask=mask, scale=self.scale)
+        written = cache.write(k_BxTxKxH.astype(cache.kv["k"].dtype),
+                              v_BxTxKxH.astype(cache.kv["v"].dtype))
+        return self._output(out_BxTxNxH.astype(x_BxTxD.dtype)), written
+
+    def _project(self, x_BxLxD, cos_sin):
+        """Queries, keys and values, normalised per head and rotated."""
         q_BxLxNxH = jnp.einsum("bld,dnh->blnh", x_BxLxD, self.q[...])
         k_BxLxKxH = jnp.einsum("bld,dkh->blkh", x_BxLxD, self.k[...])
         v_BxLxKxH = jnp.einsum("bld,dkh->blkh", x_BxLxD, self.v[...])
@@ -98,25 +127,26 @@ class Attention(nnx.Module):
         v_BxLxKxH = constrain(v_BxLxKxH, ("act_batch", "act_seq", "act_kv_heads", None))
         q_BxLxNxH = apply_rope(self.q_norm(q_BxLxNxH), cos_sin)
         k_BxLxKxH = apply_rope(self.k_norm(k_BxLxKxH), cos_sin)
-        mask = None
-        if segment_ids_BxL is not None:
-            mask = segment_ids_BxL[:, None, :, None] == segment_ids_BxL[:, None, None, :]
-        out_BxLxNxH = jax.nn.dot_product_attention(
-            q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mask=mask, scale=self.scale, is_causal=True,
-            local_window_size=(window - 1, 0) if window else None,
-            implementation=self._implementation(q_BxLxNxH.dtype),
-        )
+        return q_BxLxNxH, k_BxLxKxH, v_BxLxKxH
+
+    def _attention(self, q, k, v, **kwargs) -> jax.Array:
+        """cuDNN's fused flash attention where asked (or, under `auto`, on GPUs when it accepts
+        the call), XLA's otherwise. cuDNN's own checks run while tracing, so falling back is free."""
+        call = functools.partial(jax.nn.dot_product_attention, q, k, v, scale=self.scale,
+                                 **kwargs)
+        if self.implementation != "auto":
+            return call(implementation=self.implementation)
+        if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) \
+                and kwargs.get("mask") is None:
+            try:
+                return call(implementation="cudnn")
+            except (ValueError, NotImplementedError, RuntimeError):
+                pass
+        return call(implementation="xla")
+
+    def _output(self, out_BxLxNxH: jax.Array) -> jax.Array:
         out_BxLxNxH = constrain(out_BxLxNxH, ("act_batch", "act_seq", "act_q_heads", None))
         return jnp.einsum("blnh,nhd->bld", out_BxLxNxH, self.o[...])
-
-
-    def _implementation(self, dtype) -> str:
-        if self.implementation != "auto":
-            return self.implementation
-        # jax's own default is XLA, which materialises [B, N, L, L] scores: on GPUs use cuDNN's
-        # flash attention whenever it supports the dtype.
-        half = dtype in (jnp.bfloat16, jnp.float16)
-        return "cudnn" if half and jax.default_backend() == "gpu" else "xla"
 
 
 class MLP(nnx.Module):
@@ -151,5 +181,14 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x_BxLxD, cos_sin, segment_ids_BxL, window: int | None) -> jax.Array:
         attn = self.attention(self.pre_attention_norm(x_BxLxD), cos_sin, segment_ids_BxL, window)
         x_BxLxD = x_BxLxD + self.post_attention_norm(attn)
+        return self._mlp_block(x_BxLxD)
+
+    def decode(self, x_BxTxD, cos_sin, positions_BxT, cache: kv_cache.LayerView,
+               window: int | None) -> tuple[jax.Array, dict]:
+        attn, written = self.attention.decode(self.pre_attention_norm(x_BxTxD), cos_sin,
+                                              positions_BxT, cache, window)
+        return self._mlp_block(x_BxTxD + self.post_attention_norm(attn)), written
+
+    def _mlp_block(self, x_BxLxD: jax.Array) -> jax.Array:
         x_BxLxD = x_BxLxD + self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x_BxLxD)))
         return constrain(x_BxLxD, ("act_batch", "act_seq", "act_embed"))

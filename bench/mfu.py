@@ -1,0 +1,90 @@
+"""Training throughput and MFU of the compiled train step on random tokens (no data pipeline).
+
+    python bench/mfu.py model=gemma3_1b data.seq_len=2048 training.mixed_precision=bf16 \\
+        training.micro_batch_size=4 'model.mesh_shape=[[-1,1],["fsdp","tp"]]'
+
+Any run_training.py override is accepted. The step is the framework's own (`jit_train_step`),
+fed a fixed random batch already on the devices, so the number is the step's speed alone.
+Prints tokens/s/device and MFU (model FLOPs from tunix_train/flops.py over the device kind's
+peak; `logging.peak_tflops=…` sets the peak where the table has none). The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tunix_train import cli, flops, sharding  # noqa: E402
+from tunix_train import state as state_lib  # noqa: E402
+from tunix_train.train import build_setup  # noqa: E402
+from tunix_train.train_step import jit_train_step  # noqa: E402
+
+WARMUP, ROUNDS, STEPS_PER_ROUND = 3, 5, 5
+
+
+def main(overrides: list[str]) -> dict:
+    cfg = cli.compose(overrides)
+    setup = build_setup(cfg)
+    batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
+    shape = (setup.batch.accum, setup.batch.rows, setup.batch.seq_len + 1)
+    tokens = np.random.default_rng(0).integers(3, cfg.model.vocab_size, shape, np.int32)
+    batch = jax.device_put({"inputs": tokens[..., :-1], "targets": tokens[..., 1:],
+                            "weights": np.ones(tokens[..., 1:].shape, np.float32)},
+                           batch_sharding)
+    step = jit_train_step(setup.spec, setup.optimizer, setup.schedule, setup.options,
+                          batch_sharding)
+    state = state_lib.init(cfg, setup.spec, setup.optimizer)
+    start = time.perf_counter()
+    compiled = step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - start
+    state = [state]
+
+    def run(steps: int) -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            state[0], metrics = compiled(state[0], batch)
+        jax.block_until_ready(metrics["loss"])
+        return (time.perf_counter() - start) / steps
+
+    run(WARMUP)
+    step_s = statistics.median(run(STEPS_PER_ROUND) for _ in range(ROUNDS))
+    # cuDNN's fused attention shows up as custom calls named __cudnn$fmha…
+    cudnn = "__cudnn$fmha" in compiled.as_text()
+    return report(cfg, setup, step_s, compile_s, cudnn)
+
+
+def report(cfg, setup, step_s: float, compile_s: float, cudnn_attention: bool) -> dict:
+    devices = jax.devices()
+    tokens = setup.tokens_per_step
+    per_token = flops.training_flops_per_token(cfg.model, cfg.data.seq_len)
+    peak = flops.peak_flops_per_device(cfg.logging, devices[0])
+    tokens_per_s_device = tokens / step_s / len(devices)
+    mfu = tokens_per_s_device * per_token / peak if peak else None
+    result = {
+        "model": cfg.model.name, "device_kind": devices[0].device_kind, "devices": len(devices),
+        "mesh": dict(setup.mesh.shape), "seq_len": cfg.data.seq_len,
+        "compute_dtype": np.dtype(setup.options.compute_dtype).name,
+        "attention": "cudnn" if cudnn_attention else "xla",
+        "tokens_per_step": tokens, "step_s": round(step_s, 5), "compile_s": round(compile_s, 1),
+        "tokens_per_s_per_device": round(tokens_per_s_device, 1),
+        "model_flops_per_token": per_token,
+        "mfu": None if mfu is None else round(mfu, 4),
+    }
+    print(f"{cfg.model.name} on {len(devices)} × {devices[0].device_kind}: "
+          f"{tokens_per_s_device:,.0f} tokens/s/device, step {step_s * 1e3:.1f} ms, "
+          f"{'cuDNN' if cudnn_attention else 'XLA'} attention, MFU "
+          + (f"{mfu:.1%}" if mfu is not None else "n/a (set logging.peak_tflops)"))
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

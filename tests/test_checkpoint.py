@@ -1,0 +1,192 @@
+"""checkpoint.py on small hand-made states: resharding, damaged and uncommitted steps, params only.
+
+The end-to-end behaviour through the CLI (resume, preemption, SIGKILL, NaN, watchdog) is in
+test_resume.py; these are the same rules, cheap enough to check each edge case.
+"""
+
+import logging
+import os
+import signal
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from helpers import compose_config
+from tunix_train import checkpoint, mesh as mesh_lib, optim
+from tunix_train import config as config_lib
+from tunix_train.checkpoint import Checkpoints
+from tunix_train.config import CheckpointConfig, ConfigError
+from tunix_train.preemption import PreemptionSignal
+
+# A failed Orbax read leaves its other coroutines un-awaited; Python reports them whenever they
+# are collected, during whichever test runs then.
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+MODEL = compose_config().model
+CONFIG = {"model": {k: getattr(MODEL, k) for k in checkpoint.SHAPE_KEYS}}
+
+
+def make_mesh(fsdp: int, tp: int):
+    return mesh_lib.build(mesh_lib.parse([[fsdp, tp], ["fsdp", "tp"]], 8), jax.devices())
+
+
+def shardings(mesh):
+    """A train-state-like tree: a matrix sharded over both axes, a vector, a scalar step."""
+    return {"step": NamedSharding(mesh, P()),
+            "params": {"w": NamedSharding(mesh, P("fsdp", "tp")), "b": NamedSharding(mesh, P())},
+            "opt_state": {"mu": NamedSharding(mesh, P("fsdp", None))}}
+
+
+def make_state(step: int, mesh) -> dict:
+    # Random, so that array data (not metadata) makes up most of the bytes on disk.
+    w = jnp.asarray(np.random.default_rng(step).normal(size=(256, 64)), jnp.float32)
+    values = {"step": jnp.int32(step), "params": {"w": w, "b": jnp.full(16, step, jnp.float32)},
+              "opt_state": {"mu": w + 1}}
+    return jax.device_put(values, shardings(mesh))
+
+
+def abstract(mesh) -> dict:
+    shapes = jax.eval_shape(lambda: make_state(1, mesh))
+    return checkpoint.with_shardings(shapes, shardings(mesh))
+
+
+def save_steps(run_dir: Path, steps, mesh, keep: int = 3) -> None:
+    checkpoints = Checkpoints(run_dir, CheckpointConfig(keep=keep))
+    for step in steps:
+        checkpoints.save(step, make_state(step, mesh), {"next_step": step}, CONFIG)
+    checkpoints.close()
+
+
+def assert_state_is(restored, step: int) -> None:
+    expected = jax.device_get(make_state(step, make_mesh(8, 1)))
+    for got, want in zip(jax.tree.leaves(jax.device_get(restored)), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_saved_on_4x2_restores_on_8x1_in_the_new_shardings(tmp_path):
+    save_steps(tmp_path, [2], make_mesh(4, 2))
+    target = make_mesh(8, 1)
+    restored = checkpoint.restore(tmp_path, abstract(target), MODEL)
+    assert restored.step == 2 and restored.data_state == {"next_step": 2}
+    assert_state_is(restored.state, 2)
+    assert restored.state["params"]["w"].sharding == shardings(target)["params"]["w"]
+
+
+def test_keep_deletes_the_oldest_only(tmp_path):
+    save_steps(tmp_path, [2, 4, 6, 8], make_mesh(8, 1), keep=2)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["6", "8"]
+
+
+def largest_data_file(step_dir: Path) -> Path:
+    """The biggest file of array data (OCDBT keeps it in `d/` directories)."""
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "remove"])
+def test_a_damaged_latest_step_falls_back_in_one_line_and_is_set_aside(tmp_path, caplog, damage):
+    save_steps(tmp_path, [2, 4], make_mesh(8, 1))
+    victim = largest_data_file(tmp_path / "checkpoints" / "4")
+    if damage == "truncate":
+        os.truncate(victim, victim.stat().st_size // 2)
+    else:
+        victim.unlink()
+    with caplog.at_level(logging.WARNING, logger="tunix_train"):
+        restored = checkpoint.restore(tmp_path, abstract(make_mesh(8, 1)), MODEL,
+                                      set_aside_in=tmp_path)
+    assert restored.step == 2
+    assert_state_is(restored.state, 2)
+    messages = [record.getMessage() for record in caplog.records]
+    fallback = [m for m in messages if "falling back to step 2" in m]
+    assert len(fallback) == 1 and "\n" not in fallback[0]
+    assert checkpoint.own_checkpoints(tmp_path) and sorted(
+        os.listdir(tmp_path / "checkpoints")) == ["2"]
+    assert (tmp_path / "damaged_checkpoints" / "4" / "state").is_dir()  # moved, not deleted
+
+
+def test_an_uncommitted_step_is_not_a_checkpoint(tmp_path):
+    save_steps(tmp_path, [2], make_mesh(8, 1))
+    # What a crash mid-save leaves: Orbax's temporary directory, never renamed to "4".
+    partial = tmp_path / "checkpoints" / "4.orbax-checkpoint-tmp" / "state"
+    partial.mkdir(parents=True)
+    (partial / "_METADATA").write_text("{")
+    assert checkpoint.restore(tmp_path, abstract(make_mesh(8, 1)), MODEL).step == 2
+
+
+def test_all_steps_damaged_is_a_config_error_and_nothing_moves(tmp_path):
+    save_steps(tmp_path, [2], make_mesh(8, 1))
+    os.truncate(largest_data_file(tmp_path / "checkpoints" / "2"), 10)
+    with pytest.raises(ConfigError, match="no readable checkpoint"):
+        checkpoint.restore(tmp_path, abstract(make_mesh(8, 1)), MODEL, set_aside_in=tmp_path)
+    assert (tmp_path / "checkpoints" / "2").is_dir()
+
+
+def test_a_different_model_is_named_before_reading_arrays(tmp_path):
+    save_steps(tmp_path, [2], make_mesh(8, 1))
+    other = compose_config("model.embed_dim=64").model
+    with pytest.raises(ConfigError, match="embed_dim=128 but this run has model.embed_dim=64"):
+        checkpoint.restore(tmp_path, abstract(make_mesh(8, 1)), other)
+
+
+def test_load_params_reads_only_params_from_a_step_dir(tmp_path):
+    save_steps(tmp_path, [2, 4], make_mesh(4, 2))
+    target = make_mesh(8, 1)
+    state = abstract(target)
+    params = checkpoint.load_params(tmp_path / "checkpoints" / "2", state["params"],
+                                    shardings(target)["params"], MODEL)
+    assert set(params) == {"w", "b"}
+    np.testing.assert_array_equal(params["w"], jax.device_get(make_state(2, target))["params"]["w"])
+    assert params["w"].sharding == shardings(target)["params"]["w"]
+
+
+def test_a_path_without_checkpoints_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="holds no committed checkpoint"):
+        checkpoint.locate(tmp_path)
+
+
+def test_non_finite_gradients_leave_params_and_moments_untouched():
+    cfg = compose_config().optimizer
+    optimizer = optim.build(cfg, total_steps=10)
+    params = {"w": jnp.ones((4, 4)), "scale": jnp.ones(4)}
+    opt_state = optimizer.init(params)
+    good = jax.tree.map(jnp.ones_like, params)
+    updates, opt_state = optimizer.update(good, opt_state, params)
+    params = jax.tree.map(jnp.add, params, updates)
+    bad = {"w": jnp.full((4, 4), jnp.nan), "scale": jnp.ones(4)}
+    skipped_updates, skipped_state = optimizer.update(bad, opt_state, params)
+    assert all(float(jnp.abs(u).max()) == 0 for u in jax.tree.leaves(skipped_updates))
+    assert int(optim.skipped_updates(skipped_state)) == 1
+    before, after = opt_state.inner_state, skipped_state.inner_state
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_sigterm_is_a_stop_request_and_the_handlers_come_back():
+    before = signal.getsignal(signal.SIGTERM)
+    with PreemptionSignal() as preemption:
+        assert not preemption.reached(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert preemption.reached(2)
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["checkpoint.resume_from=a", "checkpoint.init_params_from=b"], "are both set"),
+    (["checkpoint.every_steps=-1"], "checkpoint.every_steps=-1 must be 0"),
+    (["checkpoint.keep=0"], "checkpoint.keep must be positive"),
+])
+def test_checkpoint_keys_are_validated(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        config_lib.validate(compose_config(*overrides))
+
+
+def test_a_step_dir_means_that_step_and_a_temporary_dir_is_refused(tmp_path):
+    save_steps(tmp_path, [2, 4], make_mesh(8, 1))
+    assert checkpoint.locate(tmp_path / "checkpoints" / "2") == (tmp_path / "checkpoints", [2])
+    assert checkpoint.locate(tmp_path) == (tmp_path / "checkpoints", [4, 2])
+    (tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp").mkdir()
+    with pytest.raises(ConfigError, match="holds no committed checkpoint"):
+        checkpoint.locate(tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp")

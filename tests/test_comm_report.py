@@ -1,0 +1,103 @@
+"""The communication report: HLO forms it reads, loop counting, mesh axes, gradient sync."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from helpers import TINY, compiled_run, compose_config, mesh_arg
+from tunix_train import comm_report, hlo
+from tunix_train import mesh as mesh_lib
+
+
+@pytest.fixture(scope="module")
+def mesh_2x4():
+    return mesh_lib.build(mesh_lib.parse([[2, 4], ["fsdp", "tp"]], 8))
+
+
+@pytest.mark.parametrize("attrs", [
+    "replica_groups={{0,4},{1,5},{2,6},{3,7}}",
+    "replica_groups=[4,2]<=[2,4]T(1,0)",
+    "replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}",
+    "replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_1'}",
+])
+def test_every_printed_form_of_fsdp_groups_maps_to_fsdp(mesh_2x4, attrs):
+    groups = comm_report.device_groups(attrs, 8)
+    assert sorted(map(sorted, groups)) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert comm_report.axes_of(groups, mesh_2x4) == "fsdp"
+
+
+def test_groups_spanning_both_axes_and_permutes(mesh_2x4):
+    assert comm_report.axes_of(comm_report.device_groups("replica_groups={}", 8),
+                               mesh_2x4) == "fsdp+tp"
+    pairs = comm_report.device_groups("source_target_pairs={{0,1},{1,2},{2,3},{3,0}}", 8)
+    assert comm_report.axes_of(pairs, mesh_2x4) == "tp"
+
+
+def test_collectives_inside_loops_count_once_per_trip():
+    """A scan of 5 all-reduces and a bf16 reduce-scatter, compiled on 8 CPU devices."""
+    mesh = mesh_lib.build(mesh_lib.parse([[8, 1], ["fsdp", "tp"]], 8))
+
+    def per_device(x):
+        step = lambda c, _: (c + jax.lax.psum(c, "fsdp") * 0.5, None)  # noqa: E731
+        summed, _ = jax.lax.scan(step, x[0], None, length=5)
+        scattered = jax.lax.psum_scatter(x[0].astype(jnp.bfloat16), "fsdp", tiled=True)
+        return summed, scattered.astype(jnp.float32)
+
+    fn = jax.shard_map(per_device, mesh=mesh, in_specs=P("fsdp"),
+                       out_specs=(P("fsdp"), P("fsdp")))
+    x = jax.ShapeDtypeStruct((8, 64, 32), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+    report = comm_report.build(hlo.parse(jax.jit(fn).lower(x).compile().as_text()), mesh)
+    assert report.total(kind="all-reduce", axis="fsdp") == (5, 5 * 64 * 32 * 4)
+    [scatter] = [c for c in report.collectives if c.kind == "reduce-scatter"]
+    assert (scatter.dtype, scatter.count, scatter.bytes) == ("bf16", 1, 64 * 32 * 2)
+
+
+@pytest.fixture(scope="module")
+def sync_runs():
+    """accumulation 2 on fsdp 2 × tp 4, reduced every micro-step or once per step."""
+    runs = {}
+    for every in (1, 2):
+        cfg = compose_config(*TINY, mesh_arg(2, 4), "training.micro_batch_size=1",
+                             "training.gradient_accumulation_steps=2",
+                             f"training.sync_gradients_every={every}")
+        _, analysis, losses, _ = compiled_run(cfg, steps=3)
+        runs[every] = (analysis.comm, losses)
+    return runs
+
+
+def test_gradient_reductions_per_step_are_accumulation_over_sync_every(sync_runs):
+    assert sync_runs[1][0].gradient_reductions_per_step == 2
+    assert sync_runs[2][0].gradient_reductions_per_step == 1
+    np.testing.assert_allclose(sync_runs[2][1], sync_runs[1][1], rtol=1e-5)
+
+
+def test_hybrid_mesh_communicates_each_kind_on_its_axis(sync_runs):
+    report = sync_runs[1][0]
+    param_gathers = {c.axis for c in report.collectives
+                     if c.kind == "all-gather" and c.phase == "forward" and c.dtype == "f32"}
+    assert "fsdp" in param_gathers
+    assert {c.axis for c in report.collectives if c.phase == "gradient sync"} == {"fsdp"}
+    for phase in ("forward", "backward"):  # tensor parallelism's activation reductions
+        assert report.total(kind="all-reduce", axis="tp", phase=phase)[0] > 0
+
+
+def test_tensor_parallel_mesh_communicates_on_tp_only():
+    cfg = compose_config(*TINY, mesh_arg(1, 8), "model.num_heads=8")
+    _, analysis, _, _ = compiled_run(cfg, steps=0)
+    axes = {c.axis for c in analysis.comm.collectives}
+    assert axes == {"tp"}
+    for phase in ("forward", "backward"):
+        assert analysis.comm.total(axis="tp", phase=phase)[0] > 0
+
+
+def test_flops_count_every_trip_of_a_loop():
+    """XLA's cost_analysis() counts a loop body once; hlo.flops multiplies by its trips."""
+
+    def matmuls(x):
+        return jax.lax.scan(lambda c, _: (c @ x, None), x, None, length=5)[0]
+
+    x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    module = hlo.parse(jax.jit(matmuls).lower(x).compile().as_text())
+    assert hlo.flops(module) == 5 * 2 * 64**3

@@ -1,0 +1,60 @@
+"""Environment discovery, the homogeneity check and the cross-process mesh layout (no processes)."""
+
+import logging
+from collections import namedtuple
+
+import numpy as np
+import pytest
+
+from tunix_train import distributed
+from tunix_train import mesh as mesh_lib
+from tunix_train.config import ConfigError, DistributedConfig
+
+FakeDevice = namedtuple("FakeDevice", "id process_index device_kind")
+
+
+def test_launcher_and_torchrun_variables():
+    job = distributed.discover({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "RANK": "5",
+                                "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"})
+    assert job == distributed.Job("launcher", "10.0.0.1:29500", 8, 5, 1, 4)
+    args = distributed._initialize_args(DistributedConfig(init_timeout_s=7), job)
+    assert args["local_device_ids"] == [1]  # one process per GPU
+    assert args["process_id"] == 5 and args["initialization_timeout"] > 7
+
+
+def test_jax_variables_and_cluster_detection():
+    job = distributed.discover({"JAX_COORDINATOR_ADDRESS": "h:1234", "JAX_NUM_PROCESSES": "2",
+                                "JAX_PROCESS_ID": "1"})
+    assert (job.source, job.coordinator, job.num_processes, job.process_id) == (
+        "jax", "h:1234", 2, 1)
+    slurm = distributed.discover({"SLURM_NTASKS": "16", "SLURM_NTASKS_PER_NODE": "8"})
+    assert (slurm.source, slurm.local_world_size) == ("cluster", 8)
+    args = distributed._initialize_args(DistributedConfig(), slurm)
+    assert "coordinator_address" not in args  # JAX's own SLURM / Open MPI detection
+    assert distributed.discover({}).source == "single"
+
+
+def test_incomplete_launcher_variables_are_a_config_error():
+    with pytest.raises(ConfigError, match="MASTER_ADDR, MASTER_PORT is not"):
+        distributed.discover({"WORLD_SIZE": "2", "RANK": "0"})
+
+
+def test_mixed_device_kinds_are_refused_by_name():
+    devices = [FakeDevice(0, 0, "NVIDIA H100"), FakeDevice(1, 1, "NVIDIA A100")]
+    with pytest.raises(ConfigError, match="Devices are not homogeneous: process 0: 1 × NVIDIA "
+                                          "H100; process 1: 1 × NVIDIA A100"):
+        distributed.check_homogeneous(devices)
+    distributed.check_homogeneous([FakeDevice(i, i // 2, "cpu") for i in range(4)])
+
+
+def test_tp_spanning_processes_stays_inside_a_node_or_warns(caplog):
+    devices = [FakeDevice(i, i // 2, "gpu") for i in range(8)]  # 4 processes × 2 devices
+    shape = mesh_lib.parse([[2, 4], ["fsdp", "tp"]], 8)
+    with caplog.at_level(logging.WARNING):
+        grid = mesh_lib._device_grid(shape, devices, per_node=2)  # nodes of 2 processes
+    # Each tp row is one node's 4 devices: processes (0, 1) and (2, 3).
+    assert [{d.process_index for d in row} for row in grid] == [{0, 1}, {2, 3}]
+    assert "across nodes" not in caplog.text
+    with caplog.at_level(logging.WARNING):
+        mesh_lib._device_grid(shape, devices, per_node=1)  # a node is one 2-device process
+    assert "tp=4 across nodes of 2 devices" in caplog.text

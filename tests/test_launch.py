@@ -1,0 +1,155 @@
+"""The launcher and multi-process training, with real processes on 127.0.0.1 (gloo on CPU)."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import REPO, TINY, mesh_arg, run_cli
+
+pytestmark = pytest.mark.slow
+
+STEPS = ["training.steps=4", "logging.every_steps=1", "training.global_batch_size=8"]
+
+
+def devices_env(n: int) -> dict:
+    return {"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "JAX_PLATFORMS": "cpu"}
+
+
+def launch(args: list[str], cwd: Path, env_extra: dict, nprocs: int = 2) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "RANK", "WORLD_SIZE")}
+    env.update(env_extra)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tunix_train.launch", f"--nprocs={nprocs}",
+         str(REPO / "run_training.py"), *args],
+        cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def losses(run_dir: Path) -> np.ndarray:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return np.array([json.loads(line)["loss"] for line in lines if '"loss"' in line])
+
+
+def only_run_dir(cwd: Path) -> Path:
+    runs = [p for p in (cwd / "outputs").glob("*/*/*") if p.is_dir()]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """Single process, 4 devices: the losses every multi-process layout must reproduce."""
+    out = {}
+    for fsdp, tp in ((4, 1), (2, 2)):
+        run_dir = tmp_path_factory.mktemp("single") / "run"
+        result = run_cli([*TINY, *STEPS, mesh_arg(fsdp, tp), f"hydra.run.dir={run_dir}"],
+                         cwd=run_dir.parent, env_extra=devices_env(4))
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        out[(fsdp, tp)] = losses(run_dir)
+    return out
+
+
+@pytest.mark.parametrize("fsdp,tp", [(4, 1), (2, 2)])
+def test_two_processes_reproduce_the_single_process_losses(tmp_path, reference, fsdp, tp):
+    proc = launch([*TINY, *STEPS, mesh_arg(fsdp, tp)], tmp_path, devices_env(2))
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, output[-3000:]
+    assert "[rank 1]" in output
+    run_dir = only_run_dir(tmp_path)  # one directory for the whole job
+    assert len(list(run_dir.rglob("metrics.jsonl"))) == 1
+    np.testing.assert_allclose(losses(run_dir), reference[(fsdp, tp)], rtol=1e-5)
+
+
+def test_two_launchers_act_as_two_nodes(tmp_path, reference):
+    port = free_port()
+    nodes = [launch([*TINY, *STEPS, mesh_arg(4, 1)], tmp_path,
+                    {**devices_env(2), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                     "RANK": str(rank), "WORLD_SIZE": "2"}, nprocs=1) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    np.testing.assert_allclose(losses(only_run_dir(tmp_path)), reference[(4, 1)], rtol=1e-5)
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def _rank_of(pid: int) -> int:
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(e for e in environ if e.startswith(b"RANK=")).split(b"=")[1])
+
+
+def test_a_crashed_rank_stops_the_job_promptly_and_is_named(tmp_path):
+    proc = launch([*TINY, "training.steps=100000", mesh_arg(4, 1), "logging.every_steps=1",
+                   "training.global_batch_size=8"], tmp_path, devices_env(2))
+    deadline = time.monotonic() + 400
+    while not list(tmp_path.glob("outputs/*/*/*/metrics.jsonl")) or not only_run_dir(
+            tmp_path).joinpath("metrics.jsonl").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.5)
+    children = _children(proc.pid)
+    victim = next(pid for pid in children if _rank_of(pid) == 1)
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    output, _ = proc.communicate(timeout=60)
+    assert time.monotonic() - killed_at < 30
+    assert proc.returncode != 0
+    assert "rank 1" in output and "SIGKILL" in output
+    for pid in children:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+
+
+def test_a_missing_process_is_a_clear_timeout_not_a_hang(tmp_path):
+    env = {**devices_env(1), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "RANK": "0", "WORLD_SIZE": "2"}
+    started = time.monotonic()
+    result = run_cli([*TINY, "distributed.init_timeout_s=5", f"hydra.run.dir={tmp_path}/run"],
+                     cwd=tmp_path, env_extra=env, timeout=120)
+    assert result.returncode != 0
+    assert time.monotonic() - started < 60
+    assert "distributed.init_timeout_s=5 passed before all 2 processes joined" in (
+        result.stdout + result.stderr)
+
+
+def test_a_missing_node_launcher_is_a_clear_timeout(tmp_path):
+    env = {**devices_env(1), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "RANK": "0", "WORLD_SIZE": "2"}
+    proc = launch([*TINY, "distributed.init_timeout_s=3"], tmp_path, env, nprocs=1)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "launchers of 1 of WORLD_SIZE=2 processes joined" in output
+
+
+def test_sigterm_to_the_launcher_saves_one_checkpoint_and_every_process_exits_0(tmp_path):
+    proc = launch([*TINY, "training.steps=100000", mesh_arg(4, 1), "logging.every_steps=1",
+                   "training.global_batch_size=8"], tmp_path, devices_env(2))
+    deadline = time.monotonic() + 400
+    while not list(tmp_path.glob("outputs/*/*/*/metrics.jsonl")) or not only_run_dir(
+            tmp_path).joinpath("metrics.jsonl").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.5)
+    children = _children(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-3000:]
+    steps = sorted(int(p.name) for p in (only_run_dir(tmp_path) / "checkpoints").iterdir()
+                   if p.name.isdigit())
+    assert len(steps) == 1, steps
+    stopped = [line for line in output.splitlines() if "for preemption; checkpoint saved" in line]
+    assert {line.split("]")[0] for line in stopped} == {"[rank 0", "[rank 1"}  # same step, both
+    assert len({line.split("after step")[1] for line in stopped}) == 1
+    assert all(not Path(f"/proc/{pid}").exists() for pid in children)

@@ -1,0 +1,79 @@
+"""`python -m tunix_train.plan` as a user runs it (no simulated devices set up beforehand), and
+`training.profile_communication` in a real run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from helpers import REPO, TINY, compose_config, mesh_arg, run_cli
+from tunix_train import state as state_lib
+from tunix_train.train import build_setup
+
+pytestmark = pytest.mark.slow
+MODEL = [*TINY, mesh_arg(4, 2), "training.micro_batch_size=2"]
+
+
+def run_plan(args, cwd):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    return subprocess.run([sys.executable, "-m", "tunix_train.plan", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_planner_simulates_the_mesh_and_matches_a_real_allocation(tmp_path):
+    result = run_plan([*MODEL, "plan.device_memory_gb=0.001", f"hydra.run.dir={tmp_path}/plan"],
+                      cwd=REPO)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    record = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert record["mesh"] == {"fsdp": 4, "tp": 2} and record["zero_stage"] == 3
+    assert record["fits"] is False and "does NOT fit" in result.stdout
+    assert {"params", "grads", "optimizer", "temp", "total"} <= set(record["per_device_bytes"])
+    assert record["flops_per_step"] > 0 and record["tokens_per_step"] == 8 * 32
+    assert {"kind", "axis", "count", "bytes"} <= set(record["collectives"][0])
+    # The same configuration, really allocated here (conftest's 8 CPU devices).
+    cfg = compose_config(*MODEL)
+    setup = build_setup(cfg)
+    params = state_lib.init(cfg, setup.spec, setup.optimizer)["params"]
+    assert record["num_params"] == sum(x.size for x in jax.tree.leaves(params))
+    assert record["per_device_bytes"]["params"] == state_lib.param_bytes(params)[1]
+
+
+def test_planner_needs_every_mesh_size(tmp_path):
+    result = run_plan([*TINY, f"hydra.run.dir={tmp_path}/plan"], cwd=REPO)
+    assert result.returncode == 2
+    assert "set plan.num_devices" in result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_shown_planner_commands_compose():
+    from test_docs import DOCS, shown_commands, split_command
+
+    shown = [line for page in DOCS for line in shown_commands(page, "-m tunix_train.plan")]
+    assert len(shown) >= 5  # README and memory_and_communication.md
+    for line in shown:
+        compose_config(*split_command(line, "tunix_train.plan")[1])
+
+
+def test_profiled_run_leaves_report_trace_and_startup_lines(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli([*MODEL, "training.gradient_accumulation_steps=2", "training.steps=3",
+                      "logging.every_steps=1", "training.profile_communication=true",
+                      f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                     env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    log = (run_dir / "train.log").read_text()
+    assert "memory per device (compiled step)" in log
+    assert "gradient sync: every 2 micro-step(s) = 1 reduce-scatter(s)" in log
+    assert "local unreduced gradient buffer" in log
+    report = json.loads((run_dir / "comm_report.json").read_text())
+    assert report["gradient_reductions_per_step"] == 1
+    assert list((run_dir / "tensorboard" / "plugins" / "profile").glob("*/*.xplane.pb"))
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    assert {"communication/text_summary", "memory/text_summary"} <= set(events.Tags()["tensors"])

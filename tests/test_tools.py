@@ -1,0 +1,137 @@
+"""`python -m tunix_train.export` and `python -m tunix_train.generate` from a run directory,
+as a user runs them (subprocesses), against the checkpoint's own parameters."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+
+from helpers import REPO, TINY, compose_config, mesh_arg, run_cli
+from test_docs import DOCS, shown_commands, split_command
+from test_generate import full_recompute_greedy, varied
+from tunix_train import state as state_lib
+from tunix_train.train import build_setup
+
+pytestmark = pytest.mark.slow
+EIGHT_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A run directory holding a checkpoint in the shared layout (state, data, config items)."""
+    run = tmp_path_factory.mktemp("run")
+    cfg = compose_config(*TINY, mesh_arg(8, 1))
+    setup = build_setup(cfg)
+    state = state_lib.init(cfg, setup.spec, setup.optimizer)
+    state["params"] = jax.device_put(varied(state["params"]), setup.spec.shardings["params"])
+    manager = ocp.CheckpointManager(run / "checkpoints", item_names=("state", "data", "config"))
+    manager.save(5, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave({"next_step": 5}),
+        config=ocp.args.JsonSave(dataclasses.asdict(cfg))))
+    manager.wait_until_finished()
+    manager.close()
+    return run, setup.spec.graphdef, jax.device_get(state["params"])
+
+
+def tool(name, args, cwd, check=True):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(EIGHT_DEVICES)
+    result = subprocess.run([sys.executable, "-m", f"tunix_train.{name}", *args], cwd=cwd,
+                            env=env, capture_output=True, text=True, timeout=600)
+    if check:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def exported(run_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("exported")
+    tool("export", [f"checkpoint.resume_from={run_dir[0]}", f"export.path={out}",
+                    "export.dtype=float32"], out)
+    return out
+
+
+def test_generate_prints_the_greedy_continuation_as_json(run_dir, tmp_path):
+    run, graphdef, params = run_dir
+    prompt = [1, 40, 41, 42, 43, 44]
+    result = tool("generate", [f"checkpoint.resume_from={run}", mesh_arg(2, 4),
+                               f"generate.prompt_ids={prompt}", "generate.max_new_tokens=12",
+                               "generate.eos_id=-1"], tmp_path)
+    last = json.loads(result.stdout.strip().splitlines()[-1])
+    assert last["ids"] == full_recompute_greedy(graphdef, params, prompt, 12)
+    assert isinstance(last["text"], str)
+
+
+def test_export_from_a_run_loads_in_transformers(run_dir, exported):
+    pytest.importorskip("torch", reason="needs the `hf` extra (torch, transformers)")
+    from transformers import Gemma3ForCausalLM
+
+    import hf_reference
+
+    _, graphdef, params = run_dir
+    model = Gemma3ForCausalLM.from_pretrained(exported, attn_implementation="eager").eval()
+    tokens = np.random.default_rng(0).integers(3, 259, (2, 40))
+    ours = nnx.merge(graphdef, params)(jnp.asarray(tokens))
+    np.testing.assert_allclose(hf_reference.logits(model, tokens), ours, atol=1e-4)
+    config = json.loads((exported / "config.json").read_text())
+    assert config["eos_token_id"] == 2  # the byte tokenizer's, which the run trained with
+
+
+def test_training_from_an_imported_checkpoint_logs_mfu(run_dir, exported, tmp_path):
+    from tunix_train import flops
+
+    result = run_cli([f"model.init_from=hf:{exported}", "training.steps=2", "data.seq_len=32",
+                      "data.max_corpus_bytes=400000", "logging.every_steps=1",
+                      "logging.peak_tflops=0.001", "training.mixed_precision=fp32",
+                      f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "loading Hugging Face weights" in log  # (test_hf checks the values themselves)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    train = [r for r in records if "loss" in r]
+    cfg = compose_config(*TINY)
+    per_token = flops.training_flops_per_token(cfg.model, 32)
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * per_token / 1e9, rel=1e-6)
+
+
+def test_bad_input_is_one_sentence_and_exit_2(exported, tmp_path):
+    cases = [
+        (["-m", "tunix_train.export", f"checkpoint.resume_from={tmp_path}",
+          f"export.path={tmp_path / 'out'}"], "holds no committed checkpoint"),
+        (["-m", "tunix_train.generate", f"model.init_from=hf:{exported}"],
+         "set exactly one of generate.prompt"),
+        ([str(REPO / "run_training.py"), f"model.init_from=hf:{exported}", "model.num_layers=3",
+          f"hydra.run.dir={tmp_path}/run"], "model.num_layers=3 contradicts"),
+    ]
+    for args, message in cases:
+        result = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True,
+                                text=True, timeout=300)
+        output = result.stdout + result.stderr
+        assert result.returncode == 2 and message in output, output[-2000:]
+        assert "Traceback" not in output
+
+
+TOOLS = ("tunix_train.generate", "tunix_train.export")
+SHOWN = [(page.name, line, name) for page in DOCS for name in TOOLS
+         for line in shown_commands(page, f"-m {name}")]
+
+
+@pytest.mark.parametrize("page,line,name", SHOWN, ids=[f"{p}:{i}" for i, (p, _, _) in
+                                                        enumerate(SHOWN)])
+def test_every_shown_tool_command_composes(page, line, name):
+    _, overrides = split_command(line, name)
+    compose_config(*overrides)
+
+
+def test_docs_show_both_tools():
+    assert {name for _, _, name in SHOWN} == set(TOOLS)

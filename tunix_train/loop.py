@@ -1,0 +1,145 @@
+"""The training loop: step → check → log → evaluate → save, until the end, preemption or NaN.
+
+Host↔device traffic is deliberate:
+- After dispatching step s the host waits for step s-1 (it has finished or is about to), never
+  for step s itself: the device always has the next step queued, the host never runs more than
+  one step ahead (so the watchdog times real steps), and no transfer is made.
+- Metrics of a logged step are fetched after the next step is dispatched (one step late).
+- Before a save, every step up to it is checked for non-finite values, so a checkpoint never
+  holds a state that `training.nan_policy=halt` would have refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import jax
+
+from tunix_train import config as config_lib
+from tunix_train import flops, optim, profiling
+from tunix_train.checkpoint import Checkpoints
+from tunix_train.data.pipeline import GlobalBatches
+from tunix_train.faults import Faults
+from tunix_train.metrics import MetricsWriter, Throughput, format_line
+from tunix_train.preemption import PreemptionSignal
+from tunix_train.watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from tunix_train.train import Setup
+
+log = logging.getLogger("tunix_train")
+
+
+class NonFiniteLoss(FloatingPointError):
+    """training.nan_policy=halt met a non-finite step; the message names it."""
+
+
+@dataclass
+class Loop:
+    setup: "Setup"
+    train_step: Callable
+    data: GlobalBatches
+    evaluate: Callable[[Any], float]
+    writer: MetricsWriter
+    checkpoints: Checkpoints
+    faults: Faults
+    summary: dict = field(default_factory=dict)
+    _unchecked: list = field(default_factory=list)  # [(step, device metrics)] not yet fetched
+    _skipped: int = 0  # skipped updates counted so far (optimizer state survives resumes)
+
+    def run(self, state) -> tuple[Any, dict]:
+        first = int(jax.device_get(state["step"]))
+        self._skipped = int(jax.device_get(optim.skipped_updates(state["opt_state"])))
+        cfg = self.setup.cfg
+        mfu_factor = flops.mfu_per_token_per_s(cfg.model, cfg.data.seq_len, cfg.logging,
+                                               jax.devices())
+        self._throughput = Throughput(first, mfu_factor)
+        self.summary.update(final_step=first, preempted=False, skipped_steps=self._skipped)
+        with PreemptionSignal() as preemption, \
+                Watchdog(self.setup.cfg.distributed.step_timeout_s) as watchdog:
+            for step in range(first + 1, self.setup.cfg.training.steps + 1):
+                state = self._step(state, step, watchdog)
+                stop = preemption.reached(step)
+                self._after_step(state, step, stop, watchdog)
+                if stop:
+                    log.warning("stopped after step %d for preemption; checkpoint saved", step)
+                    self.summary["preempted"] = True
+                    break
+        return state, self.summary
+
+    def _step(self, state, step: int, watchdog: Watchdog):
+        previous = self._unchecked[-1][1]["loss"] if self._unchecked else None
+        state, metrics = self.train_step(state, self.faults.batch(step, next(self.data)))
+        if previous is not None:
+            jax.block_until_ready(previous)  # step-1 is done; step is queued behind it
+        watchdog.beat(step)
+        self.faults.after_step(step)
+        self._unchecked.append((step, metrics))
+        self.summary["final_step"] = step
+        return state
+
+    def _after_step(self, state, step: int, stop: bool, watchdog: Watchdog) -> None:
+        save = stop or self.checkpoints.due(step) or step == self.setup.cfg.training.steps
+        if self._log_due(step - 1):
+            self._check(up_to=step - 1)
+        if save:
+            self._check(up_to=step)  # waits for this step: still timed by the watchdog
+            with watchdog.paused():
+                self._save(state, step)
+        if self._eval_due(step):
+            with watchdog.paused():
+                eval_loss = self.evaluate(state["params"])
+            self.writer.scalars(step, {"loss": eval_loss}, group="eval")
+            log.info("step %d | validation loss %.4f", step, eval_loss)
+
+    def _log_due(self, step: int) -> bool:
+        every, total = self.setup.cfg.logging.every_steps, self.setup.cfg.training.steps
+        return step > 0 and (step % every == 0 or step == total)
+
+    def _eval_due(self, step: int) -> bool:
+        every = self.setup.cfg.training.eval_every_steps
+        return bool(every) and step % every == 0 and step != self.setup.cfg.training.steps
+
+    def _check(self, up_to: int) -> None:
+        """Fetches the unchecked steps ≤ up_to: non-finite ones halt or count; logged ones log."""
+        ready = [(s, m) for s, m in self._unchecked if s <= up_to]
+        self._unchecked = [(s, m) for s, m in self._unchecked if s > up_to]
+        for step, metrics in zip([s for s, _ in ready], jax.device_get([m for _, m in ready])):
+            values = {k: float(v) for k, v in metrics.items() if k != "tokens"}
+            values["skipped_steps"] = int(values["skipped_steps"])
+            self._check_finite(step, values)
+            if self._log_due(step):
+                self._report(step, values)
+
+    def _check_finite(self, step: int, values: dict[str, float]) -> None:
+        skipped = values["skipped_steps"]
+        if math.isfinite(values["loss"]) and skipped == self._skipped:
+            return
+        self._skipped = self.summary["skipped_steps"] = skipped
+        if self.setup.cfg.training.nan_policy == "halt":
+            latest = self.checkpoints.manager.latest_step()
+            saved = f"the latest checkpoint is step {latest}" if latest else "no checkpoint yet"
+            raise NonFiniteLoss(
+                f"non-finite loss or gradients at step {step}: training.nan_policy=halt stopped "
+                f"without applying it and {saved} (set training.nan_policy=skip to skip such "
+                f"steps)")
+        log.warning("step %d: non-finite loss or gradients, update skipped (%d skipped so far)",
+                    step, skipped)
+
+    def _report(self, step: int, values: dict[str, float]) -> None:
+        values.update(self._throughput.interval(step, self.setup.tokens_per_step))
+        values.update(profiling.memory_scalars())  # peak device memory, where the backend counts
+        self.summary.setdefault("first_loss", values["loss"])
+        self.summary["last_loss"] = values["loss"]
+        self.writer.scalars(step, values)
+        self.writer.progress(step, values)
+        log.info(format_line(step, self.setup.cfg.training.steps, values))
+
+    def _save(self, state, step: int) -> None:
+        if self.checkpoints.save(step, state, self.data.get_state(),
+                                 config_lib.to_dict(self.setup.cfg)):
+            log.info("checkpoint of step %d started", step)
+            self.faults.after_save_started(step)

@@ -1,0 +1,160 @@
+"""`python -m tunix_train.plan <the overrides of run_training.py>`: will it fit, and what will it
+communicate — answered on a laptop, from the compiled step itself.
+
+No accelerator and no weights: the planner simulates the mesh's devices on the CPU (it
+re-executes itself with `XLA_FLAGS=--xla_force_host_platform_device_count=<mesh size>` and
+`JAX_PLATFORMS=cpu` when they are not already set), builds the train state from abstract shapes,
+lowers and compiles the real train step, then prints per-device memory, FLOPs and collectives
+with a verdict against `plan.device_memory_gb`, and writes `plan.json` into its run dir.
+
+Model-state bytes (params, grads, optimizer) are exact: they follow from the shardings. XLA's
+temporaries (activations) come from the CPU compiler's buffer assignment; a GPU compiler fuses
+and schedules differently, so read them as an estimate.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from tunix_train import cli
+from tunix_train.config import Config, ConfigError, register_configs
+
+log = logging.getLogger("tunix_train")
+register_configs()
+
+_REEXECUTED = "TUNIX_TRAIN_PLAN_REEXECUTED"
+_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+GB = 1e9
+
+
+def num_devices(cfg: Config) -> int:
+    """Devices to simulate: `plan.num_devices`, else the product of `model.mesh_shape`."""
+    if cfg.plan.num_devices:
+        return cfg.plan.num_devices
+    sizes = [int(s) for s in cfg.model.mesh_shape[0]]
+    if -1 in sizes:
+        raise ConfigError(
+            f"model.mesh_shape {sizes} has a -1 the planner cannot fill without devices; give "
+            f"every size, or set plan.num_devices."
+        )
+    return math.prod(sizes)
+
+
+def ensure_cpu_devices(count: int, run_dir: str) -> None:
+    """Re-executes this command with `count` simulated CPU devices unless it already has them.
+
+    JAX reads XLA_FLAGS once, when its backend starts, so the flag cannot be set from inside a
+    running process; the re-executed one reuses this run dir.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if f"{_DEVICE_FLAG}={count}" in flags.split() and os.environ.get("JAX_PLATFORMS") == "cpu":
+        return
+    if os.environ.get(_REEXECUTED):
+        raise RuntimeError(f"XLA_FLAGS={flags!r} still lacks {_DEVICE_FLAG}={count}.")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **{_REEXECUTED: "1"})
+    others = re.sub(_DEVICE_FLAG + r"=\d+", "", flags)
+    env["XLA_FLAGS"] = f"{others} {_DEVICE_FLAG}={count}".strip()
+    args = [a for a in sys.argv[1:] if not a.startswith("hydra.run.dir=")]
+    os.execve(sys.executable, [sys.executable, "-m", "tunix_train.plan", *args,
+                               f"hydra.run.dir={run_dir}"], env)
+
+
+def plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
+    """Compiles the configuration's train step on the available (simulated) devices."""
+    from tunix_train import config as config_lib, sharding, step_analysis  # after the re-exec
+    from tunix_train.train import build_setup
+
+    config_lib.validate(cfg)
+    if cfg.training.mixed_precision == "auto":
+        cfg.training.mixed_precision = "bf16"  # what "auto" picks on the accelerators planned for
+    setup = build_setup(cfg)
+    start = time.perf_counter()
+    batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
+    compiled = step_analysis.compile_step(setup, batch_sharding)
+    analysis = step_analysis.analyse(setup, compiled)
+    return write(run_dir, setup, analysis, time.perf_counter() - start)
+
+
+def write(run_dir: Path, setup, analysis, compile_s: float = 0.0) -> dict[str, Any]:
+    """Prints the plan of an analysed step and writes it to `run_dir/plan.json`."""
+    record = _record(setup, analysis, compile_s)
+    for line in _summary(record, analysis):
+        log.info(line)
+    (run_dir / "plan.json").write_text(json.dumps(record, indent=1))
+    log.info("wrote %s", run_dir / "plan.json")
+    return record
+
+
+def _record(setup, analysis, compile_s: float) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    cfg, per_device = setup.cfg, analysis.per_device_bytes
+    return {
+        "model": cfg.model.name,
+        "mesh": {name: int(size) for name, size in setup.mesh.shape.items()},
+        "num_params": sum(x.size for x in jax.tree.leaves(setup.spec.abstract["params"])),
+        "zero_stage": cfg.training.zero_stage,
+        "compute_dtype": jnp.dtype(setup.options.compute_dtype).name,
+        "sequences_per_step": setup.batch.sequences,
+        "tokens_per_step": setup.tokens_per_step,
+        "gradient_accumulation_steps": setup.batch.accum,
+        "sync_gradients_every": setup.options.gradients.sync_every,
+        "per_device_bytes": per_device,
+        "xla_memory": analysis.xla_memory,
+        "flops_per_step": analysis.flops_per_step,
+        "collectives": [c.__dict__ for c in analysis.comm.collectives],
+        "gradient_reductions_per_step": analysis.comm.gradient_reductions_per_step,
+        "device_memory_gb": cfg.plan.device_memory_gb,
+        "fits": per_device["total"] <= cfg.plan.device_memory_gb * GB,
+        "compile_seconds": round(compile_s, 1),
+    }
+
+
+def _summary(record: dict[str, Any], analysis) -> list[str]:
+    b = {k: v / GB for k, v in record["per_device_bytes"].items()}
+    mesh = " × ".join(f"{k}={v}" for k, v in record["mesh"].items())
+    limit = record["device_memory_gb"]
+    verdict = (f"fits: {b['total']:.2f} GB of {limit:g} GB per device" if record["fits"] else
+               f"does NOT fit: {b['total']:.2f} GB > {limit:g} GB per device; raise fsdp or "
+               f"zero_stage, lower training.micro_batch_size, or set training.remat")
+    return [
+        f"plan: {record['model']} ({record['num_params']:,} parameters) on {mesh}, zero_stage "
+        f"{record['zero_stage']}, compute {record['compute_dtype']}, "
+        f"{record['tokens_per_step']:,} tokens per step (compiled in "
+        f"{record['compile_seconds']} s)",
+        "per device (GB):     params    grads  optimizer  temporaries    total",
+        f"                   {b['params']:>7.2f}  {b['grads']:>7.2f}  {b['optimizer']:>9.2f}  "
+        f"{b['temp']:>11.2f}  {b['total']:>7.2f}",
+        f"  temporaries hold activations, gradients and a {b['grad_buffer']:.2f} GB unreduced "
+        f"gradient buffer",
+        f"FLOPs per step (all devices, as compiled): {record['flops_per_step']:.3e}",
+        "collectives per step, per device:",
+        *analysis.comm.table().splitlines(),
+        f"verdict: {verdict}",
+    ]
+
+
+@hydra.main(config_path="../configs", config_name="config", version_base=None)
+def main(dict_cfg: DictConfig) -> None:
+    run_dir = HydraConfig.get().runtime.output_dir
+    with cli.user_errors():
+        cfg = cli.typed(dict_cfg)
+        ensure_cpu_devices(num_devices(cfg), run_dir)
+        plan(cfg, Path(run_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""What one compiled train step costs per device: memory, FLOPs and communication.
+
+Used at start-up by every run and by the planner (`python -m tunix_train.plan`), so both read
+the same numbers off the same compiled program. The step is compiled from abstract shapes
+(`jax.ShapeDtypeStruct`s carrying their shardings): nothing is allocated.
+
+Model-state bytes follow the ZeRO paper's accounting from the shardings themselves: fp32
+parameters (4 bytes each), fp32 gradients (4) and Adam's two fp32 moments (8) per parameter,
+each divided by the devices it is sharded over. Gradients are not part of the train state: they
+live in XLA's temporaries during the step, with the activations and the unreduced gradient
+buffer (see gradients.py). `total` is XLA's own figure for the step: arguments + outputs not
+aliased to them + temporaries.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from tunix_train import comm_report, gradients, hlo
+from tunix_train.comm_report import CommReport
+from tunix_train.train_step import jit_train_step
+
+if TYPE_CHECKING:
+    from tunix_train.train import Setup
+
+MB = 1e6
+log = logging.getLogger("tunix_train")
+
+
+@dataclass
+class StepAnalysis:
+    per_device_bytes: dict[str, int]  # params, grads, optimizer, grad_buffer, temp, total
+    xla_memory: dict[str, int]  # compiled.memory_analysis(): arguments, outputs, aliased, temp
+    flops_per_step: float  # all devices, as compiled (remat recomputation included)
+    comm: CommReport
+
+
+def abstract_batch(setup: Setup, batch_sharding: NamedSharding) -> dict[str, Any]:
+    """The shapes of one global batch (data/pipeline.py's GlobalBatches yields the same)."""
+    b = setup.batch
+    shape = (b.accum, b.rows, b.seq_len)
+    return {
+        "inputs": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding),
+        "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding),
+        "weights": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=batch_sharding),
+        "segment_ids": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding),
+        "positions": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding),
+    }
+
+
+def abstract_state(setup: Setup) -> Any:
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        setup.spec.abstract, setup.spec.shardings)
+
+
+def compile_step(setup: Setup, batch_sharding: NamedSharding,
+                 batch: dict[str, Any] | None = None) -> jax.stages.Compiled:
+    """The real train step, lowered and compiled ahead of time from shapes alone."""
+    step = jit_train_step(setup.spec, setup.optimizer, setup.schedule, setup.options,
+                          batch_sharding)
+    batch = batch if batch is not None else abstract_batch(setup, batch_sharding)
+    return step.lower(abstract_state(setup), batch).compile()
+
+
+def sharded_bytes(abstract: Any, shardings: Any, dtype: Any = None) -> int:
+    """Bytes one device holds of a tree of shapes laid out by `shardings` (even shards)."""
+    sizes = jax.tree.map(
+        lambda a, s: math.prod(s.shard_shape(a.shape)) * jnp.dtype(dtype or a.dtype).itemsize,
+        abstract, shardings)
+    return sum(jax.tree.leaves(sizes))
+
+
+def gradient_buffer_bytes(setup: Setup) -> int:
+    """The local unreduced gradient (compute dtype), plus its fp32 accumulator when reductions
+    are spaced out over several micro-steps."""
+    plan, params = setup.options.gradients, setup.spec.abstract["params"]
+    buffer = gradients.local_gradient_bytes(plan, params, setup.options.compute_dtype)
+    if plan.sync_every > 1:
+        buffer += gradients.local_gradient_bytes(plan, params, jnp.float32)
+    return buffer
+
+
+def analyse(setup: Setup, compiled: jax.stages.Compiled) -> StepAnalysis:
+    spec, plan = setup.spec, setup.options.gradients
+    memory = compiled.memory_analysis()
+    xla = {"arguments": memory.argument_size_in_bytes, "outputs": memory.output_size_in_bytes,
+           "aliased": memory.alias_size_in_bytes, "temp": memory.temp_size_in_bytes}
+    per_device = {
+        "params": sharded_bytes(spec.abstract["params"], spec.shardings["params"]),
+        "grads": sharded_bytes(spec.abstract["params"], spec.grad_shardings, jnp.float32),
+        "optimizer": sharded_bytes(spec.abstract["opt_state"], spec.shardings["opt_state"]),
+        "grad_buffer": gradient_buffer_bytes(setup),
+        "temp": xla["temp"],
+        "total": xla["arguments"] + xla["outputs"] - xla["aliased"] + xla["temp"],
+    }
+    module = hlo.parse(compiled.as_text())
+    reduction = gradients.local_gradient_bytes(plan, spec.abstract["params"], plan.reduce_dtype)
+    comm = comm_report.build(module, setup.mesh, gradient_bytes=reduction)
+    return StepAnalysis(per_device, xla, hlo.flops(module) * setup.mesh.devices.size, comm)
+
+
+def memory_lines(analysis: StepAnalysis) -> list[str]:
+    b = {k: v / MB for k, v in analysis.per_device_bytes.items()}
+    x = {k: v / MB for k, v in analysis.xla_memory.items()}
+    return [
+        f"memory per device (compiled step): params {b['params']:,.1f} MB | grads "
+        f"{b['grads']:,.1f} MB | optimizer {b['optimizer']:,.1f} MB | XLA temporaries "
+        f"{b['temp']:,.1f} MB (activations, gradients, {b['grad_buffer']:,.1f} MB unreduced "
+        f"gradient buffer) | total {b['total']:,.1f} MB",
+        f"XLA memory analysis per device: arguments {x['arguments']:,.1f} MB, outputs "
+        f"{x['outputs']:,.1f} MB ({x['aliased']:,.1f} MB of them donated arguments), "
+        f"temporaries {x['temp']:,.1f} MB",
+    ]
+
+
+def sync_line(setup: Setup, analysis: StepAnalysis) -> str:
+    plan = setup.options.gradients
+    if plan.fsdp == 1:
+        return "gradient sync: none (fsdp=1: every device sees the whole batch)"
+    kind = "reduce-scatter" if setup.cfg.training.zero_stage >= 2 else "all-reduce"
+    accumulator = " incl. its fp32 accumulator" if plan.sync_every > 1 else ""
+    return (
+        f"gradient sync: every {plan.sync_every} micro-step(s) = {plan.reductions_per_step} "
+        f"{kind}(s) over fsdp per step, in {jnp.dtype(plan.reduce_dtype).name} (measured: "
+        f"{analysis.comm.gradient_reductions_per_step:g}); fewer reductions cost a local "
+        f"unreduced gradient buffer: {analysis.per_device_bytes['grad_buffer'] / MB:,.1f} MB "
+        f"per device{accumulator}"
+    )
+
+
+def report(setup: Setup, analysis: StepAnalysis, writer: Any, run_dir: Path) -> None:
+    """Start-up log lines, `comm_report.json` and TensorBoard text (process 0 writes files)."""
+    memory = memory_lines(analysis)
+    lines = [*memory, sync_line(setup, analysis),
+             f"FLOPs per step (all devices, as compiled): {analysis.flops_per_step:.3e}",
+             "communication per step, per device:", *analysis.comm.table().splitlines()]
+    for line in lines:
+        log.info(line)
+    writer.text("memory", "\n".join(memory))
+    writer.text("communication", "\n".join(lines[len(memory):]))
+    if jax.process_index() == 0:
+        record = {"mesh": {k: int(v) for k, v in setup.mesh.shape.items()},
+                  **analysis.comm.to_json()}
+        (run_dir / "comm_report.json").write_text(json.dumps(record, indent=1))
