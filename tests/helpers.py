@@ -16,7 +16,7 @@ from tunix_train import state as state_lib
 from tunix_train import sharding
 from tunix_train.config import Config, register_configs
 from tunix_train.train import build_setup
-from tunix_train.data.pipeline import GlobalBatches, load_windows
+from tunix_train.data import pipeline
 from tunix_train.train_step import jit_train_step
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,16 +43,16 @@ def mesh_arg(fsdp: int, tp: int) -> str:
 def train_losses(cfg: Config, steps: int, devices=None) -> tuple[np.ndarray, dict]:
     """Per-step losses of `steps` steps of the real jitted step; also returns the final state."""
     setup = build_setup(cfg, devices)
-    windows, _ = load_windows(cfg.data, cfg.model)
     batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
-    data = GlobalBatches(windows, setup.batch, batch_sharding, cfg.training.seed)
+    data = pipeline.build(cfg.data, cfg.model, cfg.training.seed, setup.batch, batch_sharding)
     state = state_lib.init(cfg, setup.spec, setup.optimizer)
     step_fn = jit_train_step(setup.spec, setup.optimizer, setup.schedule, setup.options,
                              batch_sharding)
     losses = []
-    for step in range(steps):
-        state, metrics = step_fn(state, data.batch(step))
+    for _ in range(steps):
+        state, metrics = step_fn(state, next(data.train))
         losses.append(float(metrics["loss"]))
+    data.close()
     return np.array(losses), state
 
 
@@ -92,10 +92,10 @@ def compiled_run(cfg: Config, steps: int, devices=None):
     analysis = step_analysis.analyse(setup, compiled)
     losses, state = [], None
     if steps:
-        windows, _ = load_windows(cfg.data, cfg.model)
-        data = GlobalBatches(windows, setup.batch, batch_sharding, cfg.training.seed)
+        data = pipeline.build(cfg.data, cfg.model, cfg.training.seed, setup.batch, batch_sharding)
         state = state_lib.init(cfg, setup.spec, setup.optimizer)
-        for step in range(steps):
-            state, metrics = compiled(state, data.batch(step))
+        for _ in range(steps):
+            state, metrics = compiled(state, next(data.train))
             losses.append(float(metrics["loss"]))
+        data.close()
     return setup, analysis, np.array(losses), state

@@ -70,13 +70,20 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "builtin"
-    path: Optional[str] = None  # local file or glob; the builtin corpus needs none
-    tokenizer: str = "byte"
+    name: str = "builtin"  # builtin | text | jsonl | parquet | tokens (see docs/data.md)
+    path: Optional[str] = None  # local file, directory or glob; the builtin corpus needs none
+    eval_path: Optional[str] = None  # held-out files; None = hold out validation_fraction of path
+    tokenizer: str = "byte"  # byte | sentencepiece:<model file> | hf:<tokenizer.json or dir> | none
     seq_len: int = 256  # tokens per training sequence
+    packing: str = "concat"  # concat (no padding, long documents continue) | first_fit (padding)
+    text_field: str = "text"  # jsonl/parquet: the field holding a document
+    prompt_field: Optional[str] = None  # jsonl/parquet SFT: with response_field, loss on the
+    response_field: Optional[str] = None  # response tokens only
+    dtype: str = "uint16"  # tokens: uint16 | uint32 ids in the flat binary file
     max_corpus_bytes: int = 8_000_000  # cap on the builtin corpus read from disk
-    validation_fraction: float = 0.05  # held-out share of documents
+    validation_fraction: float = 0.05  # held-out share of documents (or of each tokens file)
     eval_batches: int = 4  # validation batches per evaluation
+    prefetch: int = 2  # batches a background thread prepares ahead; 0 = none
 
 
 @dataclass
@@ -197,6 +204,8 @@ _CHOICES = {
     ("training", "nan_policy"): ("halt", "skip"),
     ("model", "attention_impl"): ("auto", "xla", "cudnn"),
     ("logging", "progress"): ("auto", "always", "never"),
+    ("data", "packing"): ("concat", "first_fit"),
+    ("data", "dtype"): ("uint16", "uint32"),
     ("export", "dtype"): ("bfloat16", "float32"),
 }
 
@@ -204,8 +213,9 @@ _POSITIVE = (
     ("model", "num_layers"), ("model", "embed_dim"), ("model", "hidden_dim"),
     ("model", "num_heads"), ("model", "num_kv_heads"), ("model", "head_dim"),
     ("model", "vocab_size"), ("model", "sliding_window"), ("model", "global_every"),
-    ("data", "seq_len"), ("training", "steps"), ("training", "micro_batch_size"),
-    ("training", "gradient_accumulation_steps"), ("logging", "every_steps"),
+    ("data", "seq_len"), ("data", "eval_batches"), ("training", "steps"),
+    ("training", "micro_batch_size"), ("training", "gradient_accumulation_steps"),
+    ("logging", "every_steps"),
     ("checkpoint", "keep"), ("distributed", "step_timeout_s"), ("generate", "max_new_tokens"),
     ("plan", "device_memory_gb"),
 )
@@ -229,6 +239,7 @@ def validate(cfg: Config) -> None:
             f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads="
             f"{m.num_kv_heads} (grouped-query attention); change one of them."
         )
+    _validate_data(cfg.data)
     accum, sync = cfg.training.gradient_accumulation_steps, cfg.training.sync_gradients_every
     if sync is not None and (sync <= 0 or accum % sync):
         raise ConfigError(
@@ -245,3 +256,14 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
     if c.resume_from and c.init_params_from:
         raise ConfigError("checkpoint.resume_from and checkpoint.init_params_from are both set; "
                           "keep resume_from to continue a run or init_params_from to fine-tune.")
+
+
+def _validate_data(data: DataConfig) -> None:
+    if not 0 < data.validation_fraction < 1:
+        raise ConfigError(f"data.validation_fraction={data.validation_fraction} must be between 0 "
+                          f"and 1 (exclusive).")
+    if (data.prompt_field is None) != (data.response_field is None):
+        raise ConfigError("data.prompt_field and data.response_field go together (SFT); set both "
+                          "or neither.")
+    if data.prefetch < 0:
+        raise ConfigError(f"data.prefetch={data.prefetch} must be 0 or more.")

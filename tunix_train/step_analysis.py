@@ -52,6 +52,8 @@ def abstract_batch(setup: Setup, batch_sharding: NamedSharding) -> dict[str, Any
         "inputs": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding),
         "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding),
         "weights": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=batch_sharding),
+        "segment_ids": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding),
+        "positions": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding),
     }
 
 

@@ -19,7 +19,8 @@ from tunix_train import mesh as mesh_lib
 from tunix_train import state as state_lib
 from tunix_train.checkpoint import Checkpoints
 from tunix_train.config import Config, ConfigError
-from tunix_train.data.pipeline import BatchShape, GlobalBatches, load_windows
+from tunix_train.data import pipeline
+from tunix_train.data.pipeline import BatchShape, GlobalBatches
 from tunix_train.gradients import GradientPlan
 from tunix_train.loop import Loop
 from tunix_train.metrics import MetricsWriter, setup_process_logging
@@ -52,33 +53,34 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
     setup_process_logging(jax.process_index())
     faults = faults_lib.load()
     setup = build_setup(cfg, processes_per_node=job.local_world_size)
-    train_data, eval_data = _data(setup)
-    state = _initial_state(setup, run_dir, train_data)
+    data = _data(setup)
+    state = _initial_state(setup, run_dir, data.train)
     first_step = int(jax.device_get(state["step"]))
     writer = MetricsWriter(run_dir, cfg.logging, cfg.training.steps, first_step)
     _log_startup(setup, writer)
     _log_param_bytes(state)
-    train_step, evaluate = _compiled_steps(setup, eval_data, writer, run_dir)
+    train_step, evaluate = _compiled_steps(setup, data.eval_batches, writer, run_dir)
     if first_step == 0:
         _initial_evaluation(state, evaluate, writer)
     checkpoints = Checkpoints(run_dir, cfg.checkpoint)  # after a restore set damaged steps aside
     try:
         with writer.console():
-            loop = Loop(setup, train_step, train_data, evaluate, writer, checkpoints, faults)
+            loop = Loop(setup, train_step, data.train, evaluate, writer, checkpoints, faults)
             state, summary = loop.run(state)
             if not summary["preempted"]:  # the grace period is for saving, not evaluating
                 _final_evaluation(state, summary, evaluate, writer)
     finally:
         checkpoints.close()  # waits until the last save has committed
+        data.close()
         writer.close()
     return summary
 
 
-def _compiled_steps(setup: Setup, eval_data: GlobalBatches, writer: MetricsWriter,
+def _compiled_steps(setup: Setup, eval_batches: list[pipeline.Batch], writer: MetricsWriter,
                     run_dir: Path) -> tuple[Callable, Callable]:
     batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
     train_step = _compiled_train_step(setup, batch_sharding, writer, run_dir)
-    return train_step, _evaluator(setup, eval_data, batch_sharding)
+    return train_step, _evaluator(setup, eval_batches, batch_sharding)
 
 
 def _initial_state(setup: Setup, run_dir: Path, data: GlobalBatches) -> state_lib.TrainState:
@@ -169,22 +171,18 @@ def compute_dtype(mixed_precision: str) -> jnp.dtype:
     return jnp.bfloat16 if mixed_precision == "bf16" else jnp.float32
 
 
-def _data(setup: Setup) -> tuple[GlobalBatches, GlobalBatches]:
+def _data(setup: Setup) -> pipeline.Data:
     cfg = setup.cfg
-    train_windows, eval_windows = load_windows(cfg.data, cfg.model)
     batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
-    train = GlobalBatches(train_windows, setup.batch, batch_sharding, cfg.training.seed)
-    eval_shape = BatchShape(accum=1, rows=setup.batch.rows, seq_len=setup.batch.seq_len)
-    evaluation = GlobalBatches(eval_windows, eval_shape, batch_sharding, seed=0, shuffle=False)
-    return train, evaluation
+    return pipeline.build(cfg.data, cfg.model, cfg.training.seed, setup.batch, batch_sharding)
 
 
-def _evaluator(setup: Setup, data: GlobalBatches, batch_sharding) -> Callable[[Any], float]:
+def _evaluator(setup: Setup, batches: list[pipeline.Batch],
+               batch_sharding) -> Callable[[Any], float]:
     eval_step = jit_eval_step(setup.spec, setup.options, batch_sharding)
 
     def evaluate(params) -> float:
-        batches = range(setup.cfg.data.eval_batches)
-        sums = jax.device_get([eval_step(params, data.batch(i)) for i in batches])
+        sums = jax.device_get([eval_step(params, batch) for batch in batches])
         loss, tokens = (sum(float(pair[k]) for pair in sums) for k in (0, 1))
         return loss / max(tokens, 1.0)
 

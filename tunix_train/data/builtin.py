@@ -1,14 +1,12 @@
 """The bundled corpus: the running Python's own standard-library source, which every machine has.
 
-Documents are `.py` files in a fixed (sorted) order, capped at `max_bytes`; a stable hash of each
-file's relative path sends about `validation_fraction` of them to the held-out split, so the split
-does not depend on the cap or on the training seed.
+Documents are `.py` files in a fixed (sorted) order, capped at `max_bytes`. Files are only listed
+here; their text is read when the pipeline reaches them.
 """
 
 from __future__ import annotations
 
 import sysconfig
-import zlib
 from pathlib import Path
 
 # Vendored or generated trees that would dominate the corpus with repetitive text.
@@ -19,20 +17,18 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def documents(max_bytes: int, validation_fraction: float) -> tuple[list[bytes], list[bytes]]:
-    """(train, validation) documents read from the standard library."""
+def files(max_bytes: int) -> list[Path]:
+    """The corpus's files, sorted, until their sizes add up to `max_bytes`."""
     root = stdlib_root()
-    train, validation, total = [], [], 0
+    chosen, total = [], 0
     for path in sorted(root.rglob("*.py")):
-        relative = path.relative_to(root)
-        if _SKIP_DIRS.intersection(relative.parts[:-1]):
+        if _SKIP_DIRS.intersection(path.relative_to(root).parts[:-1]):
             continue
-        text = path.read_bytes()
-        held_out = zlib.crc32(str(relative).encode()) % 10_000 < validation_fraction * 10_000
-        (validation if held_out else train).append(text)
-        total += len(text)
+        size = path.stat().st_size
+        if size == 0:
+            continue
+        chosen.append(path)
+        total += size
         if total >= max_bytes:
             break
-    if not validation and len(train) > 1:  # a small cap may hash no file to validation
-        validation.append(train.pop())
-    return train, validation
+    return chosen

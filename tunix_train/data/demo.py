@@ -1,0 +1,125 @@
+"""`python -m tunix_train.data.demo <dir>`: small local corpora in every supported format, and a
+SentencePiece model and a BPE `tokenizer.json` trained on them, all from the bundled corpus (the
+standard library's source), in seconds and offline. docs/data.md's examples and the tests use it.
+
+    <dir>/text/*.txt        one document per file          data=text
+    <dir>/docs.jsonl        {"text": …} per line            data=jsonl
+    <dir>/docs.parquet      a `text` column                 data=parquet
+    <dir>/sft.jsonl         {"prompt": …, "response": …}    data=sft
+    <dir>/tokens.bin        uint16 byte-tokenizer ids       data=tokens
+    <dir>/spm.model         SentencePiece, 500 pieces       data.tokenizer=sentencepiece:…
+    <dir>/bpe/              tokenizer.json + config, 500    data.tokenizer=hf:…
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from tunix_train.data import builtin
+from tunix_train.data.tokenizer import ByteTokenizer
+
+VOCAB_SIZE = 500  # both trained tokenizers; fits gemma3_tiny's 512 embedding rows
+
+
+def documents(max_bytes: int = 300_000) -> list[str]:
+    """Top-level definitions of standard-library modules: a few hundred documents of varied
+    length, from a few tokens to several thousand."""
+    texts = (p.read_text(encoding="utf-8", errors="replace") for p in builtin.files(max_bytes))
+    pieces = (piece.strip() for text in texts for piece in re.split(r"\n(?=def |class )", text))
+    return [piece for piece in pieces if piece]
+
+
+def write_text(out: Path, docs: list[str]) -> Path:
+    (out / "text").mkdir(parents=True, exist_ok=True)
+    for i, doc in enumerate(docs):
+        (out / "text" / f"doc{i:04d}.txt").write_text(doc)
+    return out / "text"
+
+
+def write_jsonl(out: Path, docs: list[str]) -> Path:
+    path = out / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    return path
+
+
+def write_parquet(out: Path, docs: list[str]) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = out / "docs.parquet"
+    pq.write_table(pa.table({"text": docs, "id": list(range(len(docs)))}), path,
+                   row_group_size=64)
+    return path
+
+
+def write_sft(out: Path, docs: list[str], pairs: int = 2000) -> Path:
+    """A task a tiny model learns in a few hundred steps: spell an identifier backwards."""
+    words = sorted({w for d in docs for w in re.findall(r"[a-z_]{4,12}", d)})
+    words = [words[i] for i in np.random.default_rng(0).permutation(len(words))[:pairs]]
+    path = out / "sft.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"reverse {w}:", "response": f" {w[::-1]}"})
+                            + "\n" for w in words))
+    return path
+
+
+def write_tokens(out: Path, docs: list[str]) -> Path:
+    """nanoGPT's layout: every document's ids followed by EOS, as one flat uint16 array."""
+    tokenizer = ByteTokenizer()
+    ids = [np.append(tokenizer.encode(d), tokenizer.eos_id) for d in docs]
+    path = out / "tokens.bin"
+    np.concatenate(ids).astype(np.uint16).tofile(path)
+    return path
+
+
+def train_sentencepiece(out: Path, docs: list[str], vocab_size: int = VOCAB_SIZE) -> Path:
+    import sentencepiece
+
+    model = io.BytesIO()
+    lines = (line for d in docs for line in d.splitlines() if line.strip())
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=lines, model_writer=model, vocab_size=vocab_size,
+        model_type="bpe", byte_fallback=True, character_coverage=1.0,
+        pad_id=0, eos_id=1, bos_id=2, unk_id=3,  # Gemma's numbering
+        minloglevel=2,
+    )
+    path = out / "spm.model"
+    path.write_bytes(model.getvalue())
+    return path
+
+
+def train_bpe(out: Path, docs: list[str], vocab_size: int = VOCAB_SIZE) -> Path:
+    """A byte-level BPE in Hugging Face `tokenizers` format, with its special tokens named in
+    tokenizer_config.json as Hugging Face model directories do."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  special_tokens=["<pad>", "<bos>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(docs, trainer)
+    directory = out / "bpe"
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def write_all(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    docs = documents()
+    for write in (write_text, write_jsonl, write_parquet, write_sft, write_tokens,
+                  train_sentencepiece, train_bpe):
+        print(write(out, docs))
+
+
+if __name__ == "__main__":
+    write_all(Path(sys.argv[1] if len(sys.argv) > 1 else "demo_data"))
