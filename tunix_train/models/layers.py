@@ -129,24 +129,35 @@ class Attention(nnx.Module):
         k_BxLxKxH = apply_rope(self.k_norm(k_BxLxKxH), cos_sin)
         return q_BxLxNxH, k_BxLxKxH, v_BxLxKxH
 
-    def _attention(self, q, k, v, **kwargs) -> jax.Array:
+    def _attention(self, q, k, v, mask=None, **kwargs) -> jax.Array:
         """cuDNN's fused flash attention where asked (or, under `auto`, on GPUs when it accepts
-        the call), XLA's otherwise. cuDNN's own checks run while tracing, so falling back is free."""
+        the call), XLA's otherwise. cuDNN's own checks run while tracing, so falling back is free.
+        A document mask (packed sequences) reaches cuDNN as an additive bias per head, the form
+        its batching rule accepts; XLA would materialise the [B, N, L, L] scores instead."""
         call = functools.partial(jax.nn.dot_product_attention, q, k, v, scale=self.scale,
                                  **kwargs)
-        if self.implementation != "auto":
-            return call(implementation=self.implementation)
-        if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) \
-                and kwargs.get("mask") is None:
-            try:
-                return call(implementation="cudnn")
-            except (ValueError, NotImplementedError, RuntimeError):
-                pass
-        return call(implementation="xla")
+        use_cudnn = self.implementation == "cudnn" or (
+            self.implementation == "auto" and jax.default_backend() == "gpu"
+            and q.dtype in (jnp.bfloat16, jnp.float16))
+        if not use_cudnn:
+            return call(mask=mask, implementation="xla")
+        bias = None if mask is None else _mask_as_bias(mask, q.shape[2], q.dtype)
+        if self.implementation == "cudnn":
+            return call(bias=bias, implementation="cudnn")
+        try:
+            return call(bias=bias, implementation="cudnn")
+        except (ValueError, NotImplementedError, RuntimeError, TypeError):
+            return call(mask=mask, implementation="xla")
 
     def _output(self, out_BxLxNxH: jax.Array) -> jax.Array:
         out_BxLxNxH = constrain(out_BxLxNxH, ("act_batch", "act_seq", "act_q_heads", None))
         return jnp.einsum("blnh,nhd->bld", out_BxLxNxH, self.o[...])
+
+
+def _mask_as_bias(mask_Bx1xLxS: jax.Array, heads: int, dtype) -> jax.Array:
+    big_negative = jnp.asarray(jnp.finfo(dtype).min / 2, dtype)
+    bias = jnp.where(mask_Bx1xLxS, jnp.asarray(0, dtype), big_negative)
+    return jnp.broadcast_to(bias, (bias.shape[0], heads, *bias.shape[2:]))
 
 
 class MLP(nnx.Module):
