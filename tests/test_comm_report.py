@@ -101,3 +101,27 @@ def test_flops_count_every_trip_of_a_loop():
     x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
     module = hlo.parse(jax.jit(matmuls).lower(x).compile().as_text())
     assert hlo.flops(module) == 5 * 2 * 64**3
+
+
+# Two lines in the form XLA prints for an H100 (jax 0.11): a cuBLAS product and cuDNN's flash
+# attention forward, the way large matmuls and attention appear there instead of `dot`s.
+GPU_HLO = """
+HloModule jit_step
+
+ENTRY %main.1 (p0: bf16[4096,6912], p1: bf16[6912,1152], q: bf16[2,128,4,32], k: bf16[2,128,1,32], v: bf16[2,128,1,32], b: bf16[2,4,128,128]) -> bf16[4096,1152] {
+  %p0 = bf16[4096,6912]{1,0} parameter(0)
+  %p1 = bf16[6912,1152]{1,0} parameter(1)
+  %q = bf16[2,128,4,32]{3,2,1,0} parameter(2)
+  %k = bf16[2,128,1,32]{3,2,1,0} parameter(3)
+  %v = bf16[2,128,1,32]{3,2,1,0} parameter(4)
+  %b = bf16[2,4,128,128]{3,2,1,0} parameter(5)
+  %gemm = (bf16[4096,1152]{1,0}, s8[4194304]{0}) custom-call(%p0, %p1), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"alpha_real":1,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  %fmha = (bf16[2,4,128,32]{3,1,2,0}, f32[2,4,128]{2,1,0}, u8[256]{0}) custom-call(%q, %k, %v, %b), custom_call_target="__cudnn$fmhaScaleBiasSoftmax", operand_layout_constraints={bf16[2,128,4,32]{3,2,1,0}, bf16[2,128,1,32]{3,2,1,0}, bf16[2,128,1,32]{3,2,1,0}, bf16[2,4,128,128]{3,2,1,0}}, api_version=API_VERSION_STATUS_RETURNING
+  ROOT %out = bf16[4096,1152]{1,0} get-tuple-element(%gemm), index=0
+}
+"""
+
+
+def test_flops_count_gpu_library_calls():
+    expected = 2 * 4096 * 1152 * 6912 + 4 * 2 * 4 * 128 * 128 * 32
+    assert hlo.flops(hlo.parse(GPU_HLO)) == expected

@@ -164,15 +164,42 @@ def users(instructions: dict[str, Instruction]) -> dict[str, list[Instruction]]:
 
 
 def flops(module: Module) -> float:
-    """Multiply-adds × 2 of every dot, times the executions of its computation."""
+    """Multiply-adds × 2 of every matrix product, times the executions of its computation.
+
+    On GPUs the products are also cuBLAS and cuDNN custom calls, not `dot`s: those count too.
+    """
     total = 0.0
     for inst, runs, by_name in module.instructions():
-        if inst.opcode != "dot":
-            continue
-        lhs = _ARRAY.search(by_name[inst.operands[0]].shape)
-        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", inst.attrs)
-        lhs_dims = ints(lhs.group(2))
-        k = math.prod(lhs_dims[d] for d in ints(contracting.group(1))) if contracting else 1
-        result = _ARRAY.search(inst.shape)
-        total += 2.0 * math.prod(ints(result.group(2))) * k * runs
+        if inst.opcode == "dot":
+            total += _dot_flops(inst, by_name) * runs
+        elif inst.opcode == "custom-call":
+            total += _custom_call_flops(inst, by_name) * runs
     return total
+
+
+def _dot_flops(inst: Instruction, by_name: dict[str, Instruction]) -> float:
+    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", inst.attrs)
+    return _matmul_flops(inst.shape, by_name[inst.operands[0]].shape,
+                         ints(contracting.group(1)) if contracting else [])
+
+
+def _matmul_flops(result_shape: str, lhs_shape: str, contracting: list[int]) -> float:
+    lhs_dims = ints(_ARRAY.search(lhs_shape).group(2))
+    k = math.prod(lhs_dims[d] for d in contracting)
+    return 2.0 * math.prod(ints(_ARRAY.search(result_shape).group(2))) * k
+
+
+def _custom_call_flops(inst: Instruction, by_name: dict[str, Instruction]) -> float:
+    target = re.search(r'custom_call_target="([^"]+)"', inst.attrs)
+    target = target.group(1) if target else ""
+    if target.startswith("__cublas"):  # $gemm, $lt$matmul: result is (product, workspace)
+        contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', inst.attrs)
+        dims = ints(contracting.group(1).replace('"', "")) if contracting else []
+        return _matmul_flops(inst.shape, by_name[inst.operands[0]].shape, dims)
+    if target.startswith("__cudnn$fmha"):
+        # Flash attention, counted dense (masks not discounted): QKᵀ and PV forward (4·BNTSH);
+        # backward recomputes QKᵀ and forms dQ, dK, dV, dP (10·BNTSH), as FlashAttention-2 counts.
+        shapes = _ARRAY.findall(inst.attrs[inst.attrs.index("operand_layout_constraints"):])
+        (batch, t, heads, head_dim), s = ints(shapes[0][1]), ints(shapes[1][1])[1]
+        return (10.0 if "Backward" in target else 4.0) * batch * heads * t * s * head_dim
+    return 0.0
