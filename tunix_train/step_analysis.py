@@ -122,6 +122,18 @@ def memory_lines(analysis: StepAnalysis) -> list[str]:
     ]
 
 
+def _warn_if_too_big(needed: int) -> None:
+    """Before the first step: the compiled step against what JAX may allocate (GPUs report it)."""
+    device = jax.local_devices()[0]
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    if limit and needed > limit:
+        log.warning(
+            "the step needs %.1f GB per device but JAX may use %.1f GB of this %s: expect an "
+            "out-of-memory error; lower training.micro_batch_size, set training.remat=full, add "
+            "fsdp devices, or raise XLA_PYTHON_CLIENT_MEM_FRACTION (JAX's default is 0.75).",
+            needed / 1e9, limit / 1e9, device.device_kind)
+
+
 def sync_line(setup: Setup, analysis: StepAnalysis) -> str:
     plan = setup.options.gradients
     if plan.fsdp == 1:
@@ -145,6 +157,7 @@ def report(setup: Setup, analysis: StepAnalysis, writer: Any, run_dir: Path) -> 
              "communication per step, per device:", *analysis.comm.table().splitlines()]
     for line in lines:
         log.info(line)
+    _warn_if_too_big(analysis.per_device_bytes["total"])
     writer.text("memory", "\n".join(memory))
     writer.text("communication", "\n".join(lines[len(memory):]))
     if jax.process_index() == 0:
