@@ -4,7 +4,9 @@
         training.micro_batch_size=4 'model.mesh_shape=[[-1,1],["fsdp","tp"]]'
 
 Any run_training.py override is accepted. The step is the framework's own (`jit_train_step`),
-fed a fixed random batch already on the devices, so the number is the step's speed alone.
+fed one fixed batch already on the devices, so the number is the step's speed alone. The batch
+is a real one from the configured data (packed documents, so attention carries document
+masks); `MFU_BATCH=random` uses unpacked random tokens instead (no masks).
 Prints tokens/s/device and MFU (model FLOPs from tunix_train/flops.py over the device kind's
 peak; `logging.peak_tflops=…` sets the peak where the table has none). The last line is JSON.
 """
@@ -12,6 +14,7 @@ peak; `logging.peak_tflops=…` sets the peak where the table has none). The las
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -23,6 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tunix_train import cli, flops, sharding  # noqa: E402
+from tunix_train.data import pipeline  # noqa: E402
 from tunix_train import state as state_lib  # noqa: E402
 from tunix_train.train import build_setup  # noqa: E402
 from tunix_train.train_step import jit_train_step  # noqa: E402
@@ -34,11 +38,7 @@ def main(overrides: list[str]) -> dict:
     cfg = cli.compose(overrides)
     setup = build_setup(cfg)
     batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
-    shape = (setup.batch.accum, setup.batch.rows, setup.batch.seq_len + 1)
-    tokens = np.random.default_rng(0).integers(3, cfg.model.vocab_size, shape, np.int32)
-    batch = jax.device_put({"inputs": tokens[..., :-1], "targets": tokens[..., 1:],
-                            "weights": np.ones(tokens[..., 1:].shape, np.float32)},
-                           batch_sharding)
+    batch = _batch(cfg, setup, batch_sharding)
     step = jit_train_step(setup.spec, setup.optimizer, setup.schedule, setup.options,
                           batch_sharding)
     state = state_lib.init(cfg, setup.spec, setup.optimizer)
@@ -61,6 +61,19 @@ def main(overrides: list[str]) -> dict:
     return report(cfg, setup, step_s, compile_s, cudnn)
 
 
+def _batch(cfg, setup, batch_sharding):
+    if os.environ.get("MFU_BATCH", "data") == "data":
+        data = pipeline.build(cfg.data, cfg.model, cfg.training.seed, setup.batch, batch_sharding)
+        batch = next(data.train)
+        data.close()
+        return batch
+    shape = (setup.batch.accum, setup.batch.rows, setup.batch.seq_len + 1)
+    tokens = np.random.default_rng(0).integers(3, cfg.model.vocab_size, shape, np.int32)
+    return jax.device_put({"inputs": tokens[..., :-1], "targets": tokens[..., 1:],
+                           "weights": np.ones(tokens[..., 1:].shape, np.float32)},
+                          batch_sharding)
+
+
 def report(cfg, setup, step_s: float, compile_s: float, cudnn_attention: bool) -> dict:
     devices = jax.devices()
     tokens = setup.tokens_per_step
@@ -72,6 +85,7 @@ def report(cfg, setup, step_s: float, compile_s: float, cudnn_attention: bool) -
         "model": cfg.model.name, "device_kind": devices[0].device_kind, "devices": len(devices),
         "mesh": dict(setup.mesh.shape), "seq_len": cfg.data.seq_len,
         "compute_dtype": np.dtype(setup.options.compute_dtype).name,
+        "batch": os.environ.get("MFU_BATCH", "data"),
         "attention": "cudnn" if cudnn_attention else "xla",
         "tokens_per_step": tokens, "step_s": round(step_s, 5), "compile_s": round(compile_s, 1),
         "tokens_per_s_per_device": round(tokens_per_s_device, 1),
