@@ -43,6 +43,14 @@ def only_run_dir(cwd: Path) -> Path:
     return runs[0]
 
 
+def wait_for_first_logged_step(proc: subprocess.Popen, cwd: Path) -> None:
+    deadline = time.monotonic() + 400
+    while not list(cwd.glob("outputs/*/*/*/metrics.jsonl")) or not only_run_dir(
+            cwd).joinpath("metrics.jsonl").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.5)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -96,11 +104,7 @@ def _rank_of(pid: int) -> int:
 def test_a_crashed_rank_stops_the_job_promptly_and_is_named(tmp_path):
     proc = launch([*TINY, "training.steps=100000", mesh_arg(4, 1), "logging.every_steps=1",
                    "training.global_batch_size=8"], tmp_path, devices_env(2))
-    deadline = time.monotonic() + 400
-    while not list(tmp_path.glob("outputs/*/*/*/metrics.jsonl")) or not only_run_dir(
-            tmp_path).joinpath("metrics.jsonl").read_text():
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.5)
+    wait_for_first_logged_step(proc, tmp_path)
     children = _children(proc.pid)
     victim = next(pid for pid in children if _rank_of(pid) == 1)
     os.kill(victim, signal.SIGKILL)
@@ -137,11 +141,7 @@ def test_a_missing_node_launcher_is_a_clear_timeout(tmp_path):
 def test_sigterm_to_the_launcher_saves_one_checkpoint_and_every_process_exits_0(tmp_path):
     proc = launch([*TINY, "training.steps=100000", mesh_arg(4, 1), "logging.every_steps=1",
                    "training.global_batch_size=8"], tmp_path, devices_env(2))
-    deadline = time.monotonic() + 400
-    while not list(tmp_path.glob("outputs/*/*/*/metrics.jsonl")) or not only_run_dir(
-            tmp_path).joinpath("metrics.jsonl").read_text():
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.5)
+    wait_for_first_logged_step(proc, tmp_path)
     children = _children(proc.pid)
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=300)
