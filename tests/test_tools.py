@@ -17,7 +17,12 @@ from flax import nnx
 from helpers import REPO, TINY, compose_config, mesh_arg, run_cli
 from test_docs import DOCS, shown_commands, split_command
 from test_generate import full_recompute_greedy, varied
+from tunix_train import cli
 from tunix_train import state as state_lib
+from tunix_train.data import demo
+from tunix_train.data.tokenizer import SentencePieceTokenizer
+from tunix_train.export import export
+from tunix_train.generate import generate
 from tunix_train.train import build_setup
 
 pytestmark = pytest.mark.slow
@@ -27,8 +32,10 @@ EIGHT_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A run directory holding a checkpoint in the shared layout (state, data, config items)."""
-    run = tmp_path_factory.mktemp("run")
-    cfg = compose_config(*TINY, mesh_arg(8, 1))
+    return save_run(tmp_path_factory.mktemp("run"), compose_config(*TINY, mesh_arg(8, 1)))
+
+
+def save_run(run, cfg):
     setup = build_setup(cfg)
     state = state_lib.init(cfg, setup.spec, setup.optimizer)
     state["params"] = jax.device_put(varied(state["params"]), setup.spec.shardings["params"])
@@ -68,6 +75,39 @@ def test_generate_prints_the_greedy_continuation_as_json(run_dir, tmp_path):
     last = json.loads(result.stdout.strip().splitlines()[-1])
     assert last["ids"] == full_recompute_greedy(graphdef, params, prompt, 12)
     assert isinstance(last["text"], str)
+
+
+def test_a_run_trained_with_sentencepiece_generates_and_exports_with_it(tmp_path):
+    """Without `data.tokenizer` on the command line, both tools take the run's own tokenizer:
+    the prompt is encoded with it (BOS first), the completion decoded with it, and the export
+    carries the file and its special ids."""
+    spm = demo.train_sentencepiece(tmp_path, demo.documents(100_000))
+    run, graphdef, params = save_run(tmp_path / "run", compose_config(
+        *TINY, mesh_arg(8, 1), f"data.tokenizer=sentencepiece:{spm}"))
+    tokenizer = SentencePieceTokenizer(spm)
+    prompt = "def main():\n    return"
+    argv = [f"checkpoint.resume_from={run}", mesh_arg(2, 4), f"generate.prompt='{prompt}'",
+            "generate.max_new_tokens=10", "generate.eos_id=-1"]
+    result = generate(cli.compose(argv), cli.explicit_model_keys(argv))
+    ids = [tokenizer.bos_id, *tokenizer.encode(prompt).tolist()]
+    assert result["ids"] == full_recompute_greedy(graphdef, params, ids, 10)
+    assert result["text"] == tokenizer.decode(result["ids"])
+
+    export(cli.compose([f"checkpoint.resume_from={run}", f"export.path={tmp_path / 'out'}"]))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (
+        tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id) == (2, 1, 0)  # not the byte ids
+    assert (tmp_path / "out" / "tokenizer.model").read_bytes() == spm.read_bytes()
+
+
+def test_an_imported_checkpoint_brings_its_own_tokenizer(tmp_path):
+    from tunix_train import pretrained
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    cfg = compose_config(f"model.init_from=hf:{tmp_path}")  # (dimensions are not read here)
+    assert pretrained.tokenizer_spec(cfg, chosen=False) == f"hf:{tmp_path / 'tokenizer.json'}"
+    assert pretrained.tokenizer_spec(cfg, chosen=True) == "byte"  # the command line wins
 
 
 def test_export_from_a_run_loads_in_transformers(run_dir, exported):

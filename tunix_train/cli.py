@@ -45,6 +45,11 @@ def explicit_model_keys(overrides: Sequence[str]) -> set[str]:
     return keys
 
 
+def given(overrides: Sequence[str], key: str) -> bool:
+    """Whether the command line sets `key` itself."""
+    return any(o.split("=", 1)[0].lstrip("+~") == key for o in overrides)
+
+
 def compose(argv: Sequence[str]) -> Config:
     """Config of a `python -m tunix_train.<tool> overrides...` command (no Hydra run dir)."""
     from hydra import compose as hydra_compose, initialize_config_dir

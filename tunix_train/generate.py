@@ -13,26 +13,29 @@ from typing import Any, Iterable
 
 from tunix_train import cli, pretrained
 from tunix_train.config import Config, ConfigError
-from tunix_train.data.tokenizer import ByteTokenizer
+from tunix_train.data import tokenizer as tokenizer_lib
 from tunix_train.sampler import Sampler, SamplingOptions
 from tunix_train.train import compute_dtype
 
 
-def tokenizer(cfg: Config) -> Any:
-    if cfg.data.tokenizer != "byte":
-        raise ConfigError(
-            f"data.tokenizer={cfg.data.tokenizer!r} cannot encode generate.prompt here; pass "
-            f"token ids as generate.prompt_ids=[...] instead."
-        )
-    return ByteTokenizer()
+def tokenizer(cfg: Config, chosen: bool = False) -> tokenizer_lib.Tokenizer | None:
+    """The weights' tokenizer (see `pretrained.tokenizer_spec`); None for `data.tokenizer=none`."""
+    spec = pretrained.tokenizer_spec(cfg, chosen)
+    return None if spec == "none" else tokenizer_lib.load(spec)
 
 
-def prompt_ids(cfg: Config) -> list[int]:
+def prompt_ids(cfg: Config, tok: tokenizer_lib.Tokenizer | None) -> list[int]:
     g = cfg.generate
     if (g.prompt is None) == (g.prompt_ids is None):
         raise ConfigError('set exactly one of generate.prompt="text" or generate.prompt_ids=[...].')
-    ids = list(g.prompt_ids) if g.prompt_ids is not None else [
-        tokenizer(cfg).bos_id, *tokenizer(cfg).encode(g.prompt).tolist()]
+    if g.prompt_ids is not None:
+        ids = list(g.prompt_ids)
+    elif tok is None:
+        raise ConfigError("data.tokenizer=none cannot encode generate.prompt; pass token ids as "
+                          "generate.prompt_ids=[...] or name a tokenizer with data.tokenizer=...")
+    else:
+        bos = [] if tok.bos_id is None else [tok.bos_id]
+        ids = [*bos, *tok.encode(g.prompt).tolist()]
     bad = [i for i in ids if not 0 <= i < cfg.model.vocab_size]
     if not ids or bad:
         raise ConfigError(
@@ -42,31 +45,35 @@ def prompt_ids(cfg: Config) -> list[int]:
     return ids
 
 
-def options(cfg: Config) -> SamplingOptions:
+def options(cfg: Config, tok: tokenizer_lib.Tokenizer | None) -> SamplingOptions:
     g = cfg.generate
     if g.temperature < 0 or g.top_k < 0:
         raise ConfigError("generate.temperature and generate.top_k must be >= 0.")
     eos = g.eos_id
     if eos is None:
-        eos = tokenizer(cfg).eos_id if cfg.data.tokenizer == "byte" else -1
+        eos = -1 if tok is None or tok.eos_id is None else tok.eos_id
     return SamplingOptions(g.max_new_tokens, g.temperature, g.top_k, eos)
 
 
-def generate(cfg: Config, explicit: Iterable[str] = ()) -> dict[str, Any]:
-    ids = prompt_ids(cfg)
-    sampling = options(cfg)
+def generate(cfg: Config, explicit: Iterable[str] = (),
+             tokenizer_chosen: bool = False) -> dict[str, Any]:
+    """`explicit`: model keys given on the command line; `tokenizer_chosen`: so was
+    `data.tokenizer` (else the weights' own tokenizer is used)."""
+    tok = tokenizer(cfg, tokenizer_chosen)
+    ids = prompt_ids(cfg, tok)
+    sampling = options(cfg, tok)
     cfg, setup, params = pretrained.load(cfg, explicit)
     sampler = Sampler(setup.spec.graphdef, setup.spec.shardings["params"], sampling,
                       compute_dtype(cfg.training.mixed_precision), setup.mesh, setup.plan.params)
     new = sampler(params, [ids], seed=cfg.generate.seed)[0]
-    text = tokenizer(cfg).decode(new) if cfg.data.tokenizer == "byte" else ""
-    return {"ids": new, "text": text}
+    return {"ids": new, "text": tok.decode(new) if tok is not None else ""}
 
 
 def main(argv: list[str]) -> None:
     cli.tool_logging()
     with cli.user_errors():
-        result = generate(cli.compose(argv), cli.explicit_model_keys(argv))
+        result = generate(cli.compose(argv), cli.explicit_model_keys(argv),
+                          cli.given(argv, "data.tokenizer"))
     print(result["text"])
     print(json.dumps(result))
 

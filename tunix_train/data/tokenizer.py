@@ -1,7 +1,7 @@
 """Tokenizers, chosen by `data.tokenizer`: `byte`, `sentencepiece:<model file>` or
 `hf:<tokenizer.json or a directory holding it>`. All read local files only.
 
-Each exposes `vocab_size`, `encode(text) -> int32 ids` and the special ids BOS/EOS/PAD taken from
+Each exposes `vocab_size`, `encode(text) -> int32 ids`, `decode(ids) -> text` and the special ids BOS/EOS/PAD taken from
 the tokenizer itself (`None` where it has none: a document then simply goes without that token).
 """
 
@@ -24,6 +24,8 @@ class Tokenizer(Protocol):
     pad_id: int
 
     def encode(self, text: str) -> np.ndarray: ...
+
+    def decode(self, ids) -> str: ...
 
 
 @dataclass(frozen=True)
