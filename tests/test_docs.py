@@ -57,3 +57,22 @@ def test_parallelism_guide_commands_train(tmp_path, command):
 def test_docs_show_the_parallelism_examples():
     meshes = {tuple(split_command(c)[1][0:1]) for c in RUNNABLE}
     assert {("model.mesh_shape=[[1,1],[\"fsdp\",\"tp\"]]",), ("model.mesh_shape=[[2,2],[\"fsdp\",\"tp\"]]",)} <= meshes
+
+
+@pytest.mark.slow
+def test_monitoring_guide_run_and_script_work(tmp_path, monkeypatch, capsys):
+    """The monitoring page's run (shortened), then its Python snippet on that run's files."""
+    page = REPO / "docs" / "monitoring.md"
+    [command] = shown_commands(page)
+    env, overrides = split_command(command)
+    result = run_cli([*overrides, *TINY, "training.steps=4", "logging.every_steps=2",
+                      "training.eval_every_steps=2", "training.micro_batch_size=2"],
+                     cwd=tmp_path, env_extra=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "no collectives" in result.stdout + result.stderr
+    [script] = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(script, str(page), "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("loss ") and " -> " in printed[0]
+    assert [step for step, _ in eval(printed[1])] == [2, 4]  # train/loss as TensorBoard reads it

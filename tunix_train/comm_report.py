@@ -66,7 +66,10 @@ class CommReport:
                 "warnings": self.warnings}
 
     def table(self) -> str:
-        lines = [f"{'kind':<20}{'axis':<10}{'dtype':<7}{'phase':<15}{'count':>7}{'MB':>12}"]
+        if not self.collectives:
+            lines = ["no collectives (every device computes alone)"]
+        else:
+            lines = [f"{'kind':<20}{'axis':<10}{'dtype':<7}{'phase':<15}{'count':>7}{'MB':>12}"]
         for c in self.collectives:
             lines.append(f"{c.kind:<20}{c.axis or '-':<10}{c.dtype:<7}{c.phase:<15}"
                          f"{c.count:>7}{c.bytes / 1e6:>12.2f}")
