@@ -15,20 +15,15 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 
 import jax
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from tunix_train import sharding
+from tunix_train import cli, sharding
 from tunix_train import state as state_lib
-from tunix_train.config import register_configs
 from tunix_train.data import pipeline
 from tunix_train.train import build_setup
 from tunix_train.train_step import jit_train_step
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 PIPELINE_WARMUP, PIPELINE_STEPS = 5, 200
 STEP_WARMUP, STEPS = 2, 10
 
@@ -58,9 +53,7 @@ def step_seconds(setup, cfg, batch, batch_sharding) -> float:
 
 
 def main(overrides: list[str]) -> dict:
-    register_configs()
-    with initialize_config_dir(str(CONFIGS), version_base=None):
-        cfg = OmegaConf.to_object(compose("config", overrides=overrides))
+    cfg = cli.compose(overrides)
     setup = build_setup(cfg)
     batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
     data = pipeline.build(cfg.data, cfg.model, cfg.training.seed, setup.batch, batch_sharding)

@@ -19,22 +19,17 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from tunix_train import sharding
+from tunix_train import cli, sharding
 from tunix_train import state as state_lib
-from tunix_train.config import register_configs
 from tunix_train.train import build_setup
 from tunix_train.train_step import jit_train_step
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 ROUNDS, STEPS_PER_ROUND, WARMUP = 5, 8, 3
 
 
@@ -54,8 +49,7 @@ def pass_through(inner, max_consecutive_errors):
 
 
 def stepper(overrides: list[str]):
-    with initialize_config_dir(str(CONFIGS), version_base=None):
-        cfg = OmegaConf.to_object(compose("config", overrides=overrides))
+    cfg = cli.compose(overrides)
     setup = build_setup(cfg)
     batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
     rng = np.random.default_rng(0)
@@ -81,7 +75,6 @@ def stepper(overrides: list[str]):
 
 
 def main(overrides: list[str]) -> dict:
-    register_configs()
     guarded, setup = stepper(overrides)
     real_guard = optax.apply_if_finite
     optax.apply_if_finite = pass_through

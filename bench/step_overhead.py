@@ -15,23 +15,18 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from tunix_train import sharding
+from tunix_train import cli, sharding
 from tunix_train import state as state_lib
-from tunix_train.config import register_configs
 from tunix_train.train import build_setup
 from tunix_train.train_step import jit_train_step
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 ROUNDS, STEPS_PER_ROUND, WARMUP = 5, 4, 2
 
 
@@ -60,9 +55,7 @@ def timed(fn, steps: int) -> float:
 
 
 def main(overrides: list[str]) -> dict:
-    register_configs()
-    with initialize_config_dir(str(CONFIGS), version_base=None):
-        cfg = OmegaConf.to_object(compose("config", overrides=overrides))
+    cfg = cli.compose(overrides)
     setup = build_setup(cfg)
     assert setup.batch.accum == 1, "compare without accumulation: the hand-written step has none"
     batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)

@@ -52,3 +52,20 @@ def test_global_batch_must_divide_over_fsdp_and_accumulation():
         batch_shape(cfg, fsdp=4)
     cfg = compose_config("training.global_batch_size=16", "training.gradient_accumulation_steps=2")
     assert batch_shape(cfg, fsdp=4).rows == 8  # micro 2 × fsdp 4
+
+
+def test_an_installed_package_carries_every_config_file():
+    """tunix_train/configs links to configs/, and pyproject's package-data globs cover every file
+    in it, so a non-editable install finds the Hydra tree too."""
+    import fnmatch
+    import tomllib
+
+    from helpers import REPO
+    from tunix_train.config import CONFIG_DIR
+
+    assert CONFIG_DIR.resolve() == (REPO / "configs").resolve()
+    patterns = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"]["tunix_train"]
+    files = [p.relative_to(REPO).as_posix() for p in (REPO / "configs").rglob("*.yaml")]
+    assert files and all(any(fnmatch.fnmatch(f, p) and f.count("/") == p.count("/")
+                             for p in patterns) for f in files), files

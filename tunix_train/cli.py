@@ -11,15 +11,12 @@ from typing import Iterator, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from tunix_train.config import Config, ConfigError
+from tunix_train.config import CONFIG_DIR, Config, ConfigError
 
 log = logging.getLogger("tunix_train")
 
 EXIT_CONFIG_ERROR = 2
 EXIT_NON_FINITE = 3  # training.nan_policy=halt met a non-finite step (the watchdog exits 4)
-
-
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 def typed(cfg: DictConfig, overrides: Sequence[str] = ()) -> Config:
@@ -61,7 +58,7 @@ def compose(argv: Sequence[str]) -> Config:
 
     register_configs()
     try:
-        with initialize_config_dir(str(CONFIGS), version_base=None):
+        with initialize_config_dir(str(CONFIG_DIR), version_base=None):
             cfg = hydra_compose("config", overrides=list(argv))
         return typed(cfg, argv)
     except (HydraException, OmegaConfBaseException) as error:  # a misspelt key or bad value

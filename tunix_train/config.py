@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"  # the Hydra tree (editable install)
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # the Hydra tree (links to ../configs)
 
 
 class ConfigError(ValueError):
