@@ -8,7 +8,6 @@ read.
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 

@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import numpy as np
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf

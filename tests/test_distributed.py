@@ -3,7 +3,6 @@
 import logging
 from collections import namedtuple
 
-import numpy as np
 import pytest
 
 from tunix_train import distributed
