@@ -66,7 +66,10 @@ def generate(cfg: Config, explicit: Iterable[str] = (),
     sampler = Sampler(setup.spec.graphdef, setup.spec.shardings["params"], sampling,
                       compute_dtype(cfg.training.mixed_precision), setup.mesh, setup.plan.params)
     new = sampler(params, [ids], seed=cfg.generate.seed)[0]
-    return {"ids": new, "text": tok.decode(new) if tok is not None else ""}
+    # Rows of a vocabulary padded beyond the tokenizer's have no text (an untrained model may
+    # still pick them); `ids` keeps them.
+    text = tok.decode([i for i in new if i < tok.vocab_size]) if tok is not None else ""
+    return {"ids": new, "text": text}
 
 
 def main(argv: list[str]) -> None:
