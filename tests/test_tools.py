@@ -91,8 +91,8 @@ def test_a_run_trained_with_sentencepiece_generates_and_exports_with_it(tmp_path
     result = generate(cli.compose(argv), cli.explicit_model_keys(argv))
     ids = [tokenizer.bos_id, *tokenizer.encode(prompt).tolist()]
     assert result["ids"] == full_recompute_greedy(graphdef, params, ids, 10)
-    assert result["text"] == tokenizer.decode([i for i in result["ids"]
-                                                       if i < tokenizer.vocab_size])
+    pieces = [i for i in result["ids"] if i < tokenizer.vocab_size]
+    assert result["text"] == tokenizer.decode(pieces)
 
     # An id of the model's padded vocabulary rows (500-511 here) has no text and does not fail
     # (the tokenizer has 500 pieces, the model 512 rows).
