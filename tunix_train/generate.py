@@ -34,6 +34,7 @@ def prompt_ids(cfg: Config, tok: tokenizer_lib.Tokenizer | None) -> list[int]:
         raise ConfigError("data.tokenizer=none cannot encode generate.prompt; pass token ids as "
                           "generate.prompt_ids=[...] or name a tokenizer with data.tokenizer=...")
     else:
+        tokenizer_lib.check_vocab(tok, cfg.model.vocab_size)
         bos = [] if tok.bos_id is None else [tok.bos_id]
         ids = [*bos, *tok.encode(g.prompt).tolist()]
     bad = [i for i in ids if not 0 <= i < cfg.model.vocab_size]
