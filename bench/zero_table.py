@@ -39,13 +39,13 @@ def row(record: dict) -> str:
             3: 16 * psi / n}[record["zero_stage"]] / GB
     return (f"| {record['model']} | {n} | {record['zero_stage']} | {b['params']:.2f} | "
             f"{b['grads']:.2f} | {b['optimizer']:.2f} | {state:.2f} | {zero:.2f} | "
-            f"{b['grad_buffer']:.2f} | {b['temp']:.2f} | {b['total']:.2f} |")
+            f"{b['temp']:.2f} | {b['total']:.2f} |")
 
 
 def main(extra: list[str]) -> None:
     print("| model | fsdp N | stage | params | grads | optimizer | model state | ZeRO paper "
-          "| unreduced grad buffer | XLA temporaries | total |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| XLA temporaries | total |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as out:
         for model in MODELS:
             for fsdp in FSDP:

@@ -59,7 +59,8 @@ def test_shown_planner_commands_compose():
 
 def test_profiled_run_leaves_report_trace_and_startup_lines(tmp_path):
     run_dir = tmp_path / "run"
-    result = run_cli([*MODEL, "training.gradient_accumulation_steps=2", "training.steps=3",
+    result = run_cli([*MODEL, "training.gradient_accumulation_steps=2",
+                      "training.sync_gradients_every=2", "training.steps=3",
                       "logging.every_steps=1", "training.profile_communication=true",
                       f"hydra.run.dir={run_dir}"], cwd=tmp_path,
                      env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})

@@ -29,7 +29,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from tunix_train import hlo
-from tunix_train.gradients import SYNC_SCOPE
+from tunix_train.gradients import SYNC_SCOPE, WIDENED
+from tunix_train.mesh import FSDP
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute",
          "collective-broadcast", "ragged-all-to-all")
@@ -134,7 +135,10 @@ def axes_of(groups: Iterable[Iterable[int]], mesh: Mesh) -> str:
 def build(module: hlo.Module, mesh: Mesh, gradient_bytes: float | None = None) -> CommReport:
     """The report of one compiled step (`hlo.parse(compiled.as_text())`). `gradient_bytes`:
     per-device bytes of one full gradient reduction; with it the report counts how many
-    reductions the step makes."""
+    reductions over fsdp the step makes: the bytes of the gradient sync's fsdp reduce-scatters
+    and all-reduces over that figure. (The sync also holds tp all-reduces of tp-replicated
+    gradients, and the embedding lookup's gradient rows, exchanged by all-to-all or all-gather:
+    neither is a reduction over fsdp.)"""
     rows: dict[tuple, Collective] = {}
     for inst, runs, by_name in module.instructions():
         kind = inst.opcode.removesuffix("-start")
@@ -152,7 +156,8 @@ def build(module: hlo.Module, mesh: Mesh, gradient_bytes: float | None = None) -
     report = CommReport(sorted(rows.values(), key=lambda c: (c.phase, c.kind, c.axis)),
                         warnings=module.warnings)
     if gradient_bytes:
-        _, synced = report.total(phase="gradient sync")
+        synced = sum(report.total(kind=kind, axis=FSDP, phase="gradient sync")[1]
+                     for kind in ("reduce-scatter", "all-reduce"))
         report.gradient_reductions_per_step = round(synced / gradient_bytes, 3)
     return report
 
@@ -160,14 +165,23 @@ def build(module: hlo.Module, mesh: Mesh, gradient_bytes: float | None = None) -
 def _payload(inst: hlo.Instruction, kind: str, by_name: dict[str, hlo.Instruction],
              module: hlo.Module, group_size: int) -> tuple[str, float]:
     """(dtype carrying most bytes, bytes per device). A value that a CPU backend widened to
-    fp32 only to communicate it counts in its own, narrower type."""
+    fp32 only to communicate it counts in its own, narrower type: a reduction the program
+    widened itself (named so, see gradients.py) or that XLA promoted, or data only moved (a
+    gather, an all-to-all) whose operand was widened. A reduction of a widened operand that
+    is neither is a genuine fp32 reduction (training.grad_reduce_dtype=fp32)."""
+    narrowed = None
     promoted = re.search(r"to_apply=%[\w.\-]*_promoted", inst.attrs) is not None
-    narrowed = _narrowed_dtype(inst, hlo.users(by_name)) if promoted else None
+    if (named := re.search(WIDENED + r"(\w+)/", inst.attrs)) is not None:
+        narrowed = {"bfloat16": "bf16", "float16": "f16"}.get(named.group(1))
+    elif promoted:
+        narrowed = _narrowed_dtype(inst, hlo.users(by_name))
+    widening_is_the_backends = promoted or kind not in ("all-reduce", "reduce-scatter")
     by_dtype: dict[str, float] = defaultdict(float)
     for operand in (by_name[o] for o in inst.operands if o in by_name):
         dtype, nbytes = hlo.dtype_of(operand.shape), hlo.shape_bytes(operand.shape)
-        narrow = (hlo.widened_from(operand, by_name, module) or narrowed) \
-            if dtype == "f32" else None
+        widened = hlo.widened_from(operand, by_name, module) if widening_is_the_backends \
+            else None
+        narrow = (narrowed or widened) if dtype == "f32" else None
         if narrow:
             dtype, nbytes = narrow, nbytes * hlo.dtype_bytes(narrow) / hlo.dtype_bytes("f32")
         by_dtype[dtype] += nbytes

@@ -106,10 +106,12 @@ class TrainingConfig:
     micro_batch_size: int = 8  # sequences per fsdp shard per micro-step
     global_batch_size: Optional[int] = None  # if set, micro_batch_size is derived from it
     gradient_accumulation_steps: int = 1
-    sync_gradients_every: Optional[int] = None  # micro-steps between reductions; None = once per step
+    sync_gradients_every: int = 1  # micro-steps summed locally between gradient reductions
+    grad_reduce_dtype: str = "auto"  # auto (= compute dtype) | fp32: dtype gradients reduce in
     mixed_precision: str = "auto"  # bf16 | fp32 | auto (bf16 on accelerators, fp32 on CPU)
     zero_stage: int = 3  # 0 DDP, 1 +optimizer state sharded, 2 +gradients, 3 +parameters (FSDP)
     remat: str = "none"  # none | full | save_dots: activation recomputation per layer
+    loss_vocab_chunk: int = 16384  # vocabulary entries per chunk of the fused output head + loss
     eval_every_steps: int = 0  # 0 = evaluate only at the end
     profile_communication: bool = False
     nan_policy: str = "halt"  # halt | skip
@@ -202,6 +204,7 @@ _CHOICES = {
     ("training", "mixed_precision"): ("auto", "bf16", "fp32"),
     ("training", "remat"): ("none", "full", "save_dots"),
     ("training", "nan_policy"): ("halt", "skip"),
+    ("training", "grad_reduce_dtype"): ("auto", "fp32"),
     ("model", "attention_impl"): ("auto", "xla", "cudnn"),
     ("logging", "progress"): ("auto", "always", "never"),
     ("data", "packing"): ("concat", "first_fit"),
@@ -215,6 +218,7 @@ _POSITIVE = (
     ("model", "vocab_size"), ("model", "sliding_window"), ("model", "global_every"),
     ("data", "seq_len"), ("data", "eval_batches"), ("training", "steps"),
     ("training", "micro_batch_size"), ("training", "gradient_accumulation_steps"),
+    ("training", "loss_vocab_chunk"),
     ("logging", "every_steps"),
     ("checkpoint", "keep"), ("distributed", "step_timeout_s"), ("generate", "max_new_tokens"),
     ("plan", "device_memory_gb"),
@@ -241,7 +245,7 @@ def validate(cfg: Config) -> None:
         )
     _validate_data(cfg.data)
     accum, sync = cfg.training.gradient_accumulation_steps, cfg.training.sync_gradients_every
-    if sync is not None and (sync <= 0 or accum % sync):
+    if sync <= 0 or accum % sync:
         raise ConfigError(
             f"training.sync_gradients_every={sync} must divide "
             f"training.gradient_accumulation_steps={accum}."

@@ -1,25 +1,38 @@
-"""Gradients of one optimizer step, and where and how often they are reduced over `fsdp`.
+"""Gradients of one optimizer step: FSDP written out in `shard_map`, reduced layer by layer.
 
-Each fsdp shard's gradient is computed *unreduced* (a `vmap` over a leading shard axis that is
-itself sharded over fsdp, so no device talks to another), summed locally over
-`sync_every` micro-batches, then reduced explicitly:
+The loss and its gradient run in one `shard_map` that is manual over `fsdp` and leaves `tp` to
+XLA's partitioner. Each device computes on its own batch rows, and every parameter reaches the
+model through `fetch` (installed as models/params.py's hook), a custom VJP that spells out
+FSDP's two collectives:
 
-    zero_stage 0, 1   psum          (all-reduce: every device keeps the whole gradient)
-    zero_stage 2, 3   psum_scatter  (reduce-scatter: each device keeps its shard)
+    forward    all-gather the parameter's shard over fsdp, in the compute dtype    (ZeRO-3)
+    backward   reduce the gradient over fsdp in `training.grad_reduce_dtype`:
+               reduce-scatter where the gradient is sharded (ZeRO-2, 3), else all-reduce (0, 1)
 
-Making the reduction explicit, rather than leaving it to XLA's partitioner, is what fixes its
-kind, its dtype (the compute dtype: bf16 under mixed precision) and its count
-(accumulation / sync_every per optimizer step) on every backend; left to itself, XLA reduces
-each layer's gradient inside the backward pass in whatever kind and dtype its backend chooses
-(on CPU: fp32 all-reduces, even at ZeRO-3). The price is a local buffer: between reductions
-each device holds one full, unreduced gradient (its tp share) in the compute dtype, plus an fp32
-accumulator when `sync_every` > 1. Reducing layer by layer inside the backward pass would avoid
-the buffer at `sync_every` = 1, but needs the model's layer scan to call the reduction (an FSDP
-formulation in `shard_map`); not done yet.
+Model code materializes each scanned layer inside the layer loop and the output head one
+vocabulary chunk at a time (models/head.py), so the backward half runs where the backward pass
+has just produced that gradient: each reduction can overlap the next layer's backward compute,
+and the largest unreduced gradient alive is one layer's or one chunk's. Gathered parameters are
+not kept for the backward pass: a layer is gathered again when it is reached. The embedding
+lookup (`take`) never forms a [V, D] gradient at all: rows travel by all-to-all instead.
+
+Why explicit rather than left to XLA's partitioner, measured with the planner (8 simulated CPU
+devices, gemma3_1b, fsdp 8, ZeRO-3, bf16, 1 × 256 tokens per device): the previous explicit
+path (a whole unreduced gradient reduced after the backward pass) needed 9.40 GB per device; a
+plain `jax.grad` of sharded parameters reduces inside the loop too, but as all-reduces of each
+whole layer gradient (on CPU), with the tied embedding's whole gradient in fp32: 7.19 GB; this
+file's step needs 4.78 GB (5.31 GB with 4 accumulated micro-batches), and the kind, dtype and
+count of every gradient collective are its own on every backend.
+
+`training.sync_gradients_every` = K > 1 trades memory for fewer reductions: `fetch` then leaves
+gradients local and unreduced, K micro-batches are summed into an fp32 buffer the size of this
+device's (tp) share of the whole model, and one reduction follows. K = 1 (the default) keeps
+only the sharded fp32 accumulator (4Ψ/N bytes at ZeRO-2/3) across micro-batches.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -29,8 +42,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tunix_train.mesh import FSDP
+from tunix_train.models import params as model_params
 
 SYNC_SCOPE = "gradient_sync"  # named scope of the reductions; the comm report looks for it
+WIDENED = "cpu_widened_from_"  # + dtype: a 16-bit reduction carried in fp32 on a CPU backend
 
 
 @dataclass(frozen=True)
@@ -38,9 +53,12 @@ class GradientPlan:
     """Static facts about one step's gradients."""
 
     mesh: Mesh
+    param_specs: Any  # PartitionSpec per parameter: how it is stored (sharded over fsdp at ZeRO-3)
     grad_specs: Any  # PartitionSpec per parameter: the reduced gradient's layout
+    stacked: Any  # bool per parameter: a scanned layer stack (materialized one layer at a time)
     accumulation_steps: int
     sync_every: int  # micro-steps summed locally between reductions
+    compute_dtype: jnp.dtype  # parameters are gathered and used in it
     reduce_dtype: jnp.dtype  # dtype the reductions travel in
 
     @property
@@ -52,101 +70,202 @@ class GradientPlan:
         return self.accumulation_steps // self.sync_every
 
 
-def _padded(spec: P, ndim: int) -> tuple:
-    return tuple(spec) + (None,) * (ndim - len(spec))
+# ---------------------------------------------------------------------------------------------
+# One parameter inside the shard_map, and its custom VJP.
+
+@dataclass(frozen=True)
+class _How:
+    """What `fetch` does for one parameter (hashable: a static argument of the custom VJP)."""
+
+    gather_axis: int | None  # the axis its shard is cut along (ZeRO-3); None = held whole
+    scatter_axis: int | None  # the reduced gradient's sharded axis; None = all-reduce
+    tp_spec: P  # its layout over the other (automatic) mesh axes, e.g. tp: kept explicitly
+    reduce: bool  # False: leave the gradient local and unreduced (sync_every > 1)
+    compute_dtype: Any  # the shard is cast to it before the gather: bf16 gathers, no bf16 copy
+    reduce_dtype: Any
+    grad_dtype: Any
 
 
-def _without_fsdp(spec: tuple) -> tuple:
-    return tuple(None if axis == FSDP else axis for axis in spec)
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["param", "target"],
+                   meta_fields=["how"])
+@dataclass(frozen=True)
+class Fetch:
+    """A parameter as this device holds it, and a stand-in for its gradient: differentiating
+    the loss with respect to `target` (whose value is never read) yields the gradient laid
+    out as `how` says, reduced or not."""
+
+    param: jax.Array
+    target: jax.Array
+    how: _How
 
 
-def unreduced_spec(spec: P, ndim: int) -> P:
-    """[fsdp shards, *param] layout of an unreduced gradient: shards over fsdp, the rest as tp."""
-    return P(FSDP, *_without_fsdp(_padded(spec, ndim)))
+def _is_fetch(x: Any) -> bool:
+    return isinstance(x, Fetch)
 
 
-def reduce(plan: GradientPlan, grads_S: Any) -> Any:
-    """Sums [shards, *param] gradients over fsdp: reduce-scatter where the reduced gradient is
-    sharded over fsdp, all-reduce where it is not. Travels in `plan.reduce_dtype`."""
-    leaves, treedef = jax.tree.flatten(grads_S)
-    specs = [_padded(s, g.ndim - 1) for s, g in
-             zip(treedef.flatten_up_to(plan.grad_specs), leaves)]
-
-    def reduce_local(*blocks):
-        out = []
-        for block, spec in zip(blocks, specs):
-            g = block[0].astype(plan.reduce_dtype)
-            if FSDP in spec:
-                out.append(jax.lax.psum_scatter(g, FSDP, scatter_dimension=spec.index(FSDP),
-                                                tiled=True))
-            else:
-                out.append(jax.lax.psum(g, FSDP))
-        return tuple(out)
-
-    with jax.named_scope(SYNC_SCOPE):
-        reduced = jax.shard_map(
-            reduce_local, mesh=plan.mesh,
-            in_specs=tuple(P(FSDP, *_without_fsdp(s)) for s in specs),
-            out_specs=tuple(P(*s) for s in specs),
-        )(*leaves)
-    return treedef.unflatten([g.astype(jnp.float32) for g in reduced])
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+@model_params.materializer  # never saved for the backward pass: gathered again there
+def _fetch(param: jax.Array, target: jax.Array, how: _How) -> jax.Array:
+    del target
+    param = param.astype(how.compute_dtype)
+    if how.gather_axis is None:
+        return param
+    return _blockwise(lambda p: jax.lax.all_gather(p, FSDP, axis=how.gather_axis, tiled=True),
+                      how.tp_spec)(param)
 
 
-def local_gradient_bytes(plan: GradientPlan, params: Any, dtype: jnp.dtype) -> int:
-    """Per-device bytes of one unreduced gradient: this device's tp share of every parameter.
-    It is also what one reduction carries per device (the reduce-scatter's input)."""
-    leaves, treedef = jax.tree.flatten(params)
-    total = 0
-    for p, spec in zip(leaves, treedef.flatten_up_to(plan.grad_specs)):
-        local = NamedSharding(plan.mesh, P(*_without_fsdp(_padded(spec, p.ndim))))
-        total += math.prod(local.shard_shape(p.shape)) * jnp.dtype(dtype).itemsize
-    return total
+def _fetch_fwd(param, target, how):
+    return _fetch(param, target, how), None
 
 
-def _split_shards(plan: GradientPlan, micro_batch: dict) -> dict:
-    """[B, L] → [fsdp, B / fsdp, L]: each shard's rows, where they already live."""
-    sharding = NamedSharding(plan.mesh, P(FSDP))
-    return jax.tree.map(
-        lambda x: jax.lax.with_sharding_constraint(
-            x.reshape(plan.fsdp, x.shape[0] // plan.fsdp, *x.shape[1:]), sharding),
-        micro_batch,
-    )
+def _fetch_bwd(how: _How, _, grad: jax.Array):
+    if how.reduce:
+        with jax.named_scope(SYNC_SCOPE):
+            grad = _blockwise(lambda g: _reduce_one(g.astype(how.reduce_dtype), how.scatter_axis),
+                              how.tp_spec)(grad)
+    return None, grad.astype(how.grad_dtype)
 
 
-def local_grads(plan: GradientPlan, loss_fn: Callable, params: Any, micro_batch: dict):
-    """(unreduced [fsdp, *param] gradients, loss sum, token count) of one micro-batch.
+def _blockwise(collective: Callable, tp_spec: P) -> Callable:
+    """`collective` (over fsdp) on this device's block of a value also sharded by `tp_spec`.
 
-    `loss_fn(params, batch) -> (loss_sum, tokens)` sees one shard's rows; the model's batch
-    constraint must not name fsdp inside (the vmap puts the shard axis on fsdp itself).
+    Inside the shard_map only fsdp is manual; XLA would replicate a value over the other axes
+    before a collective on fsdp (a tp-sharded weight gathered whole over tp, its gradient
+    reduced at full width). Making those axes manual for the collective keeps it blockwise.
     """
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    (loss_S, tokens_S), grads_S = jax.vmap(
-        grad_fn, in_axes=(None, 0), spmd_axis_name=FSDP)(params, _split_shards(plan, micro_batch))
-    leaves, treedef = jax.tree.flatten(grads_S)
-    shardings = [NamedSharding(plan.mesh, unreduced_spec(s, g.ndim - 1))
-                 for s, g in zip(treedef.flatten_up_to(plan.grad_specs), leaves)]
-    grads_S = treedef.unflatten(
-        [jax.lax.with_sharding_constraint(g, s) for g, s in zip(leaves, shardings)])
-    return grads_S, jnp.sum(loss_S), jnp.sum(tokens_S)
+    axes = {axis for axis in tp_spec if axis is not None}
+    if not axes:
+        return collective
+    return jax.shard_map(collective, in_specs=tp_spec, out_specs=tp_spec, axis_names=axes,
+                         check_vma=False)
 
 
-def _first(tree: Any) -> Any:
-    return jax.tree.map(lambda x: x[0], tree)
+_fetch.defvjp(_fetch_fwd, _fetch_bwd)
 
 
-def _zeros(plan: GradientPlan, params: Any, unreduced: bool) -> tuple[Any, jax.Array, jax.Array]:
-    """fp32 zeros for (gradients, loss sum, tokens), gradients laid out reduced or unreduced."""
-    leaves, treedef = jax.tree.flatten(params)
-    zeros = []
-    for p, spec in zip(leaves, treedef.flatten_up_to(plan.grad_specs)):
-        if unreduced:
-            z, spec = jnp.zeros((plan.fsdp, *p.shape), jnp.float32), unreduced_spec(spec, p.ndim)
-        else:
-            z = jnp.zeros(p.shape, jnp.float32)
-        zeros.append(jax.lax.with_sharding_constraint(z, NamedSharding(plan.mesh, spec)))
-    scalar = jnp.zeros((), jnp.float32)
-    return treedef.unflatten(zeros), scalar, scalar
+class FsdpHook:
+    """models/params.py's hook inside the shard_map: `Fetch` leaves → parameters for compute."""
 
+    def materialize(self, state: Any) -> Any:
+        return jax.tree.map(lambda f: _fetch(f.param, f.target, f.how), state, is_leaf=_is_fetch)
+
+    def take(self, table: Fetch, ids: jax.Array) -> jax.Array:
+        rows_TxD = _take(table.param, table.target, ids.reshape(-1), table.how,
+                         table.target.shape[0])
+        return rows_TxD.reshape(*ids.shape, rows_TxD.shape[-1])
+
+
+# The embedding lookup. A [V, D] gradient of a few hundred looked-up rows would be almost all
+# zeros, and reducing it over fsdp would move the whole table: instead, rows and their
+# gradients travel between devices (all-to-all), a few megabytes, and each device adds the
+# gradient rows into its own shard. Tables are sharded over fsdp along D (axis 1), if at all.
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _take(param: jax.Array, target: jax.Array, ids_T: jax.Array, how: _How,
+          vocab: int) -> jax.Array:
+    del target, vocab
+    param = param.astype(how.compute_dtype)
+    if how.gather_axis is None:  # the table is whole here
+        return jnp.take(param, ids_T, axis=0)
+    # Every device looks up every device's ids in its own columns; all-to-all sends each
+    # device's rows home, the columns concatenated in fsdp order.
+    rows_NxTxd = jnp.take(param, jax.lax.all_gather(ids_T, FSDP), axis=0)
+    return jax.lax.all_to_all(rows_NxTxd, FSDP, split_axis=0, concat_axis=2, tiled=True)[0]
+
+
+def _take_fwd(param, target, ids_T, how, vocab):
+    return _take(param, target, ids_T, how, vocab), ids_T
+
+
+def _take_bwd(how: _How, vocab: int, ids_T: jax.Array, grad_TxD: jax.Array):
+    rows, ids = grad_TxD, ids_T  # unreduced (sync_every > 1): this device's own rows
+    if how.reduce:  # every device's gradient rows, in all columns or in this device's own
+        ids = jax.lax.all_gather(ids_T, FSDP, tiled=True)
+        with jax.named_scope(SYNC_SCOPE):
+            rows = grad_TxD.astype(how.reduce_dtype)
+            if how.scatter_axis is None:
+                rows = jax.lax.all_gather(rows, FSDP, tiled=True)
+            else:
+                rows = jax.lax.all_to_all(rows[None], FSDP, split_axis=2, concat_axis=0,
+                                          tiled=True).reshape(ids.shape[0], -1)
+    grad = jax.ops.segment_sum(rows.astype(jnp.float32), ids, num_segments=vocab)
+    return None, grad.astype(how.grad_dtype), None
+
+
+_take.defvjp(_take_fwd, _take_bwd)
+
+
+def _reduce_one(grad: jax.Array, scatter_axis: int | None) -> jax.Array:
+    dtype = jnp.dtype(grad.dtype)
+    if jax.default_backend() == "cpu" and dtype != jnp.float32:
+        # CPU backends reduce 16-bit floats in fp32 anyway (XLA's AllReducePromotion), and that
+        # pass aborts on the reduction Shardy emits inside nested loops (XLA 0.10): widen here,
+        # the same program, named so that the communication report counts the narrow dtype.
+        with jax.named_scope(WIDENED + dtype.name):
+            return _reduce_one(grad.astype(jnp.float32), scatter_axis).astype(dtype)
+    if scatter_axis is None:
+        return jax.lax.psum(grad, FSDP)
+    return jax.lax.psum_scatter(grad, FSDP, scatter_dimension=scatter_axis, tiled=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts.
+
+def _fsdp_axis(spec: P) -> int | None:
+    return next((i for i, axis in enumerate(spec) if axis == FSDP), None)
+
+
+def _fsdp_only(spec: P) -> P:
+    """The manual (fsdp) part of a spec: shard_map's in/out specs name only manual axes."""
+    return P(*(FSDP if axis == FSDP else None for axis in spec))
+
+
+def _without_fsdp(spec: P, skip: int = 0) -> P:
+    """The automatic (tp) part of a spec, less its first `skip` axes."""
+    return P(*tuple(None if axis == FSDP else axis for axis in spec)[skip:])
+
+
+def _local_shape(shape: tuple[int, ...], spec: P, fsdp: int) -> tuple[int, ...]:
+    axis = _fsdp_axis(spec)
+    return tuple(d // fsdp if i == axis else d for i, d in enumerate(shape))
+
+
+def _hows(plan: GradientPlan, params: Any) -> Any:
+    """A `_How` per parameter; axes of stacked layers count from one layer's slice."""
+    reduce = plan.sync_every == 1
+
+    def how(p, param_spec, grad_spec, stacked):
+        shift = 1 if stacked else 0
+        gather, scatter = _fsdp_axis(param_spec), _fsdp_axis(grad_spec)
+        return _How(None if gather is None else gather - shift,
+                    None if scatter is None else scatter - shift,
+                    _without_fsdp(param_spec, shift), reduce,
+                    plan.compute_dtype, plan.reduce_dtype,
+                    jnp.float32 if reduce else plan.compute_dtype)
+
+    return jax.tree.map(how, params, plan.param_specs, plan.grad_specs, plan.stacked)
+
+
+def _target_shapes(plan: GradientPlan, params: Any, hows: Any) -> Any:
+    """This device's gradient of each parameter: its reduced shard, or the local whole."""
+    return jax.tree.map(
+        lambda p, spec, how: jax.ShapeDtypeStruct(
+            _local_shape(p.shape, spec, plan.fsdp) if how.reduce else p.shape, how.grad_dtype),
+        params, plan.grad_specs, hows)
+
+
+def _reduced_shapes(plan: GradientPlan, params: Any) -> Any:
+    return jax.tree.map(
+        lambda p, spec: jax.ShapeDtypeStruct(_local_shape(p.shape, spec, plan.fsdp), jnp.float32),
+        params, plan.grad_specs)
+
+
+def _zeros(shapes: Any, dtype=None) -> Any:
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, dtype or s.dtype), shapes)
+
+
+# ---------------------------------------------------------------------------------------------
+# The step's gradients.
 
 def _scan_sum(fn: Callable, init: Any, xs: Any) -> Any:
     """init + Σ fn(x) over the leading axis of xs (lax.scan: the body is compiled once)."""
@@ -158,24 +277,80 @@ def _scan_sum(fn: Callable, init: Any, xs: Any) -> Any:
     return total
 
 
-def accumulated(plan: GradientPlan, loss_fn: Callable, params: Any, batch: dict):
-    """(reduced fp32 gradient sums, loss sum, token count) over the [accum, B, L] batch."""
-    K = plan.sync_every
-    rounds = jax.tree.map(lambda x: x.reshape(plan.reductions_per_step, K, *x.shape[1:]), batch)
-
-    def one_round(round_batch):  # K micro-batches, summed locally, then one reduction
-        if K == 1:  # reduce the compute-dtype gradient directly: no fp32 copy needed
-            grads_S, loss, tokens = local_grads(plan, loss_fn, params, _first(round_batch))
-        else:  # fp32 accumulator: bf16 sums over micro-batches would lose precision
-            grads_S, loss, tokens = _scan_sum(
-                lambda mb: _as_f32(local_grads(plan, loss_fn, params, mb)),
-                _zeros(plan, params, unreduced=True), round_batch)
-        return reduce(plan, grads_S), loss, tokens
-
-    if plan.reductions_per_step == 1:
-        return one_round(_first(rounds))
-    return _scan_sum(one_round, _zeros(plan, params, unreduced=False), rounds)
+def _first(tree: Any) -> Any:
+    return jax.tree.map(lambda x: x[0], tree)
 
 
 def _as_f32(tree: Any) -> Any:
     return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+
+
+def _reduce_all(plan: GradientPlan, grads: Any) -> Any:
+    """One reduction of a whole local gradient (sync_every > 1)."""
+    def reduce(grad, spec):
+        return _blockwise(lambda g: _reduce_one(g.astype(plan.reduce_dtype), _fsdp_axis(spec)),
+                          _without_fsdp(spec))(grad).astype(jnp.float32)
+
+    with jax.named_scope(SYNC_SCOPE):
+        return jax.tree.map(reduce, grads, plan.grad_specs)
+
+
+def accumulated(plan: GradientPlan, loss_fn: Callable, params: Any, batch: dict):
+    """(reduced fp32 gradient sums, loss sum, token count) over the [accum, B, L] batch.
+
+    `params`: the fp32 parameters laid out as stored; `loss_fn(params, micro_batch) ->
+    (loss_sum, tokens)` sees this device's rows and a tree of `Fetch` leaves (read through
+    models/params.py, with `FsdpHook` installed here), under no activation constraint naming
+    fsdp.
+    """
+    hows = _hows(plan, params)
+    target_shapes, reduced_shapes = _target_shapes(plan, params, hows), _reduced_shapes(plan, params)
+    K, rounds = plan.sync_every, plan.reductions_per_step
+    scalar_shape = jax.ShapeDtypeStruct((), jnp.float32)
+
+    def per_device(params, batch):
+        targets = _zeros(target_shapes)
+
+        def micro_grads(micro_batch):
+            def loss_of(targets):
+                tree = jax.tree.map(Fetch, params, targets, hows)
+                with model_params.hooked(FsdpHook()):
+                    return loss_fn(tree, micro_batch)
+
+            (loss, tokens), grads = jax.value_and_grad(loss_of, has_aux=True)(targets)
+            return _as_f32(grads), loss, tokens
+
+        def one_round(round_batch):  # K micro-batches, then (K > 1) one reduction
+            if K == 1:
+                return micro_grads(_first(round_batch))
+            local, loss, tokens = _scan_sum(
+                micro_grads, (_zeros(target_shapes, jnp.float32), *_zeros((scalar_shape,) * 2)),
+                round_batch)
+            return _reduce_all(plan, local), loss, tokens
+
+        split = jax.tree.map(lambda x: x.reshape(rounds, K, *x.shape[1:]), batch)
+        if rounds == 1:
+            grads, loss, tokens = one_round(_first(split))
+        else:
+            init = _zeros((reduced_shapes, scalar_shape, scalar_shape))
+            grads, loss, tokens = _scan_sum(one_round, init, split)
+        return grads, jax.lax.psum(loss, FSDP), jax.lax.psum(tokens, FSDP)
+
+    spec_of = lambda specs: jax.tree.map(_fsdp_only, specs, is_leaf=lambda x: isinstance(x, P))  # noqa: E731
+    batch_spec = P(None, FSDP)
+    return jax.shard_map(
+        per_device, mesh=plan.mesh, axis_names={FSDP}, check_vma=False,
+        in_specs=(spec_of(plan.param_specs), jax.tree.map(lambda _: batch_spec, batch)),
+        out_specs=(spec_of(plan.grad_specs), P(), P()),
+    )(params, batch)
+
+
+def local_gradient_bytes(plan: GradientPlan, params: Any, dtype: jnp.dtype) -> int:
+    """Per-device bytes of one whole unreduced gradient (this device's tp share of every
+    parameter): what `sync_every` > 1 keeps, and what one such reduction carries per device."""
+    leaves, treedef = jax.tree.flatten(params)
+    total = 0
+    for p, spec in zip(leaves, treedef.flatten_up_to(plan.grad_specs)):
+        local = NamedSharding(plan.mesh, _without_fsdp(spec))
+        total += math.prod(local.shard_shape(p.shape)) * jnp.dtype(dtype).itemsize
+    return total

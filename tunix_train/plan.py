@@ -125,21 +125,25 @@ def _record(setup, analysis, compile_s: float) -> dict[str, Any]:
 
 def _summary(record: dict[str, Any], analysis) -> list[str]:
     b = {k: v / GB for k, v in record["per_device_bytes"].items()}
+    x = {k: v / GB for k, v in record["xla_memory"].items()}
     mesh = " × ".join(f"{k}={v}" for k, v in record["mesh"].items())
     limit = record["device_memory_gb"]
     verdict = (f"fits: {b['total']:.2f} GB of {limit:g} GB per device" if record["fits"] else
                f"does NOT fit: {b['total']:.2f} GB > {limit:g} GB per device; raise fsdp or "
                f"zero_stage, lower training.micro_batch_size, or set training.remat")
+    buffer = (f"; temporaries include a {b['grad_buffer']:.2f} GB unreduced gradient buffer "
+              f"(training.sync_gradients_every={record['sync_gradients_every']})"
+              if b["grad_buffer"] else "")
     return [
         f"plan: {record['model']} ({record['num_params']:,} parameters) on {mesh}, zero_stage "
         f"{record['zero_stage']}, compute {record['compute_dtype']}, "
         f"{record['tokens_per_step']:,} tokens per step (compiled in "
         f"{record['compile_seconds']} s)",
-        "per device (GB):     params    grads  optimizer  temporaries    total",
-        f"                   {b['params']:>7.2f}  {b['grads']:>7.2f}  {b['optimizer']:>9.2f}  "
-        f"{b['temp']:>11.2f}  {b['total']:>7.2f}",
-        f"  temporaries hold activations, gradients and a {b['grad_buffer']:.2f} GB unreduced "
-        f"gradient buffer",
+        "per device (GB, XLA):  arguments  + outputs  - donated  + temporaries  =   total",
+        f"                       {x['arguments']:>9.2f}  {x['outputs']:>9.2f}  {x['aliased']:>9.2f}"
+        f"  {x['temp']:>12.2f}  {b['total']:>9.2f}",
+        f"  model state: params {b['params']:.2f} + optimizer {b['optimizer']:.2f} (arguments), "
+        f"grads {b['grads']:.2f} (temporaries){buffer}",
         f"FLOPs per step (all devices, as compiled): {record['flops_per_step']:.3e}",
         "collectives per step, per device:",
         *analysis.comm.table().splitlines(),

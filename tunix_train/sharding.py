@@ -92,6 +92,10 @@ _DIM_KEYS = {"vocab": "vocab_size", "embed": "embed_dim", "mlp": "hidden_dim",
 
 def plan(model: ModelConfig, mesh: Mesh, zero_stage: int) -> ShardingPlan:
     rules = resolve_rules(model, mesh)
+    if FSDP in (rules["vocab"], rules["act_vocab"]):
+        raise ConfigError(
+            "model.sharding_rules maps the vocabulary to fsdp, which the embedding lookup and "
+            "the chunked output head do not support; map vocab and act_vocab to tp or null.")
     sharded = tuple(rules.items())
     unsharded = tuple(
         (name, None if axis == FSDP and not name.startswith("act_") else axis)
@@ -102,6 +106,20 @@ def plan(model: ModelConfig, mesh: Mesh, zero_stage: int) -> ShardingPlan:
         grads=sharded if zero_stage >= 2 else unsharded,
         optimizer=sharded if zero_stage >= 1 else unsharded,
     )
+
+
+def vocab_chunks(vocab_size: int, shards: int, chunk_size: int) -> int:
+    """Chunks the output head takes each of the vocabulary's `shards` blocks in (models/head.py):
+    the fewest that divide a block evenly into chunks of at most `chunk_size` entries overall."""
+    block = vocab_size // shards
+    return next(k for k in range(1, block + 1) if block % k == 0 and vocab_size // k <= chunk_size
+                or k == block)
+
+
+def vocab_shards(rules: LogicalRules, mesh: Mesh) -> int:
+    """Contiguous blocks the vocabulary is split in: its tp shards, if it is sharded."""
+    axis = dict(rules).get("vocab")
+    return mesh.shape[axis] if axis else 1
 
 
 def per_shard_rules(rules: LogicalRules) -> LogicalRules:

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from tunix_train.config import Config
 from tunix_train.models import hf_weights
-from tunix_train.models.gemma3 import Gemma3
+from tunix_train.models.gemma3 import LAYERS, Gemma3
 from tunix_train.sharding import ShardingPlan, optimizer_shardings, replicated, state_shardings
 
 TrainState = dict[str, Any]
@@ -32,6 +32,7 @@ class StateSpec:
     abstract: TrainState  # ShapeDtypeStruct leaves
     shardings: TrainState  # NamedSharding leaves, same structure
     grad_shardings: Any  # like params; sharded over fsdp from ZeRO stage 2
+    stacked: Any  # like params: True for scanned layer stacks (leading logical axis "layers")
 
 
 def _new_model(cfg: Config) -> Gemma3:
@@ -51,7 +52,9 @@ def spec(cfg: Config, mesh: Mesh, plan: ShardingPlan,
         "params": shard(plan.params),
         "opt_state": optimizer_shardings(optimizer, opt_state, shard(plan.optimizer), mesh),
     }
-    return StateSpec(graphdef, abstract, shardings, shard(plan.grads))
+    stacked = nnx.to_pure_dict(nnx.map_state(
+        lambda _, v: v.replace(v.get_metadata()["out_sharding"][0] == LAYERS), abstract_vars))
+    return StateSpec(graphdef, abstract, shardings, shard(plan.grads), stacked)
 
 
 def init(cfg: Config, state_spec: StateSpec, optimizer: optax.GradientTransformation) -> TrainState:

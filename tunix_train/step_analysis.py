@@ -4,12 +4,12 @@ Used at start-up by every run and by the planner (`python -m tunix_train.plan`),
 the same numbers off the same compiled program. The step is compiled from abstract shapes
 (`jax.ShapeDtypeStruct`s carrying their shardings): nothing is allocated.
 
-Model-state bytes follow the ZeRO paper's accounting from the shardings themselves: fp32
-parameters (4 bytes each), fp32 gradients (4) and Adam's two fp32 moments (8) per parameter,
-each divided by the devices it is sharded over. Gradients are not part of the train state: they
-live in XLA's temporaries during the step, with the activations and the unreduced gradient
-buffer (see gradients.py). `total` is XLA's own figure for the step: arguments + outputs not
-aliased to them + temporaries.
+`total` is XLA's own figure for the step: arguments + outputs not aliased to them +
+temporaries. Beside it, the model state follows the ZeRO paper's accounting from the shardings
+themselves: fp32 parameters (4 bytes each), fp32 gradients (4) and Adam's two fp32 moments (8)
+per parameter, each divided by the devices it is sharded over. Gradients are not part of the
+train state: they live in XLA's temporaries during the step, with the activations, and with
+`training.sync_gradients_every` > 1 with a whole unreduced gradient buffer (see gradients.py).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class StepAnalysis:
     xla_memory: dict[str, int]  # compiled.memory_analysis(): arguments, outputs, aliased, temp
     flops_per_step: float  # all devices, as compiled (remat recomputation included)
     comm: CommReport
+    module: hlo.Module  # the compiled program, parsed
 
 
 def abstract_batch(setup: Setup, batch_sharding: NamedSharding) -> dict[str, Any]:
@@ -80,13 +81,14 @@ def sharded_bytes(abstract: Any, shardings: Any, dtype: Any = None) -> int:
 
 
 def gradient_buffer_bytes(setup: Setup) -> int:
-    """The local unreduced gradient (compute dtype), plus its fp32 accumulator when reductions
-    are spaced out over several micro-steps."""
+    """With reductions spaced out over several micro-steps (sync_every > 1): the whole local
+    unreduced gradient (compute dtype) and its fp32 accumulator. None otherwise: each layer's
+    gradient is reduced where the backward pass produces it."""
     plan, params = setup.options.gradients, setup.spec.abstract["params"]
-    buffer = gradients.local_gradient_bytes(plan, params, setup.options.compute_dtype)
-    if plan.sync_every > 1:
-        buffer += gradients.local_gradient_bytes(plan, params, jnp.float32)
-    return buffer
+    if plan.sync_every == 1:
+        return 0
+    return (gradients.local_gradient_bytes(plan, params, setup.options.compute_dtype)
+            + gradients.local_gradient_bytes(plan, params, jnp.float32))
 
 
 def analyse(setup: Setup, compiled: jax.stages.Compiled) -> StepAnalysis:
@@ -105,20 +107,21 @@ def analyse(setup: Setup, compiled: jax.stages.Compiled) -> StepAnalysis:
     module = hlo.parse(compiled.as_text())
     reduction = gradients.local_gradient_bytes(plan, spec.abstract["params"], plan.reduce_dtype)
     comm = comm_report.build(module, setup.mesh, gradient_bytes=reduction)
-    return StepAnalysis(per_device, xla, hlo.flops(module) * setup.mesh.devices.size, comm)
+    return StepAnalysis(per_device, xla, hlo.flops(module) * setup.mesh.devices.size, comm,
+                        module)
 
 
 def memory_lines(analysis: StepAnalysis) -> list[str]:
     b = {k: v / MB for k, v in analysis.per_device_bytes.items()}
     x = {k: v / MB for k, v in analysis.xla_memory.items()}
+    buffer = (f", of them a {b['grad_buffer']:,.1f} MB unreduced gradient buffer"
+              if b["grad_buffer"] else "")
     return [
-        f"memory per device (compiled step): params {b['params']:,.1f} MB | grads "
-        f"{b['grads']:,.1f} MB | optimizer {b['optimizer']:,.1f} MB | XLA temporaries "
-        f"{b['temp']:,.1f} MB (activations, gradients, {b['grad_buffer']:,.1f} MB unreduced "
-        f"gradient buffer) | total {b['total']:,.1f} MB",
-        f"XLA memory analysis per device: arguments {x['arguments']:,.1f} MB, outputs "
-        f"{x['outputs']:,.1f} MB ({x['aliased']:,.1f} MB of them donated arguments), "
-        f"temporaries {x['temp']:,.1f} MB",
+        f"memory per device (compiled step), from XLA: arguments {x['arguments']:,.1f} MB + outputs "
+        f"{x['outputs']:,.1f} MB - donated {x['aliased']:,.1f} MB + temporaries "
+        f"{x['temp']:,.1f} MB = {b['total']:,.1f} MB",
+        f"  model state: params {b['params']:,.1f} MB and optimizer {b['optimizer']:,.1f} MB "
+        f"(arguments), grads {b['grads']:,.1f} MB (temporaries, with the activations{buffer})",
     ]
 
 
@@ -139,13 +142,18 @@ def sync_line(setup: Setup, analysis: StepAnalysis) -> str:
     if plan.fsdp == 1:
         return "gradient sync: none (fsdp=1: every device sees the whole batch)"
     kind = "reduce-scatter" if setup.cfg.training.zero_stage >= 2 else "all-reduce"
-    accumulator = " incl. its fp32 accumulator" if plan.sync_every > 1 else ""
+    dtype = jnp.dtype(plan.reduce_dtype).name
+    measured = analysis.comm.gradient_reductions_per_step
+    if plan.sync_every == 1:
+        return (f"gradient sync: each layer's gradient {kind} over fsdp inside the backward pass, "
+                f"in {dtype}, every micro-step = {plan.reductions_per_step} full reduction(s) "
+                f"per step (measured: {measured:g})")
     return (
         f"gradient sync: every {plan.sync_every} micro-step(s) = {plan.reductions_per_step} "
-        f"{kind}(s) over fsdp per step, in {jnp.dtype(plan.reduce_dtype).name} (measured: "
-        f"{analysis.comm.gradient_reductions_per_step:g}); fewer reductions cost a local "
-        f"unreduced gradient buffer: {analysis.per_device_bytes['grad_buffer'] / MB:,.1f} MB "
-        f"per device{accumulator}"
+        f"{kind}(s) over fsdp per step, in {dtype} (measured: {measured:g}); fewer reductions "
+        f"cost a local unreduced gradient buffer: "
+        f"{analysis.per_device_bytes['grad_buffer'] / MB:,.1f} MB per device incl. its fp32 "
+        f"accumulator"
     )
 
 

@@ -23,6 +23,7 @@ from tunix_train.data import pipeline
 from tunix_train.data.pipeline import BatchShape, GlobalBatches
 from tunix_train.gradients import GradientPlan
 from tunix_train.loop import Loop
+from tunix_train.models.head import VocabChunks
 from tunix_train.metrics import MetricsWriter, setup_process_logging
 from tunix_train.train_step import StepOptions, jit_eval_step
 
@@ -140,12 +141,18 @@ def build_setup(cfg: Config, devices: list[jax.Device] | None = None,
     schedule = optim.schedule(cfg.optimizer, cfg.training.steps)
     spec = state_lib.spec(cfg, mesh, plan, optimizer)
     dtype = compute_dtype(cfg.training.mixed_precision)
+    specs = lambda shardings: jax.tree.map(lambda s: s.spec, shardings)  # noqa: E731
     grads = GradientPlan(
-        mesh=mesh, grad_specs=jax.tree.map(lambda s: s.spec, spec.grad_shardings),
-        accumulation_steps=batch.accum,
-        sync_every=cfg.training.sync_gradients_every or batch.accum, reduce_dtype=dtype,
+        mesh=mesh, param_specs=specs(spec.shardings["params"]),
+        grad_specs=specs(spec.grad_shardings), stacked=spec.stacked,
+        accumulation_steps=batch.accum, sync_every=cfg.training.sync_gradients_every,
+        compute_dtype=dtype, reduce_dtype=reduce_dtype(cfg.training.grad_reduce_dtype, dtype),
     )
-    options = StepOptions(compute_dtype=dtype, gradients=grads, mesh=mesh, rules=plan.params)
+    shards = sharding.vocab_shards(plan.params, mesh)
+    chunks = VocabChunks(sharding.vocab_chunks(cfg.model.vocab_size, shards,
+                                               cfg.training.loss_vocab_chunk), shards)
+    options = StepOptions(compute_dtype=dtype, gradients=grads, mesh=mesh, rules=plan.params,
+                          vocab_chunks=chunks)
     return Setup(cfg, mesh, plan, batch, options, optimizer, schedule, spec)
 
 
@@ -162,6 +169,11 @@ def batch_shape(cfg: Config, fsdp: int) -> BatchShape:
             )
         micro = t.global_batch_size // (fsdp * accum)
     return BatchShape(accum=accum, rows=micro * fsdp, seq_len=cfg.data.seq_len)
+
+
+def reduce_dtype(grad_reduce_dtype: str, compute: jnp.dtype) -> jnp.dtype:
+    """`training.grad_reduce_dtype`: auto = the compute dtype (bf16 under mixed precision)."""
+    return compute if grad_reduce_dtype == "auto" else jnp.float32
 
 
 def compute_dtype(mixed_precision: str) -> jnp.dtype:

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from tunix_train import gradients
 from tunix_train.gradients import GradientPlan
+from tunix_train.models.head import VocabChunks
 from tunix_train.optim import skipped_updates
 from tunix_train.sharding import LogicalRules, activate, per_shard_rules
 from tunix_train.state import StateSpec, TrainState
@@ -34,6 +35,7 @@ class StepOptions:
     gradients: GradientPlan
     mesh: Mesh
     rules: LogicalRules  # logical → mesh axes for the model's activation constraints
+    vocab_chunks: VocabChunks  # how the fused output head + loss cuts the vocabulary
 
 
 def _cast(tree: Any, dtype: jnp.dtype) -> Any:
@@ -41,13 +43,12 @@ def _cast(tree: Any, dtype: jnp.dtype) -> Any:
 
 
 def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: Batch,
-              compute_dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
-    """(sum of token losses, number of counted tokens) for one [B, L] batch."""
-    model = nnx.merge(graphdef, _cast(params, compute_dtype))
-    logits_BxLxV = model(batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
-    token_loss_BxL = optax.softmax_cross_entropy_with_integer_labels(
-        logits_BxLxV.astype(jnp.float32), batch["targets"]
-    )
+              vocab_chunks: VocabChunks = VocabChunks()) -> tuple[jax.Array, jax.Array]:
+    """(sum of token losses, number of counted tokens) for one [B, L] batch; `params` already
+    in the compute dtype. The logits are formed a vocabulary chunk at a time, never whole."""
+    model = nnx.merge(graphdef, params)
+    token_loss_BxL = model.token_losses(batch["inputs"], batch["targets"], batch.get("positions"),
+                                        batch.get("segment_ids"), vocab_chunks)
     weights_BxL = batch["weights"]
     return jnp.sum(token_loss_BxL * weights_BxL), jnp.sum(weights_BxL)
 
@@ -57,14 +58,12 @@ def train_step_fn(spec: StateSpec, optimizer: optax.GradientTransformation,
     """The un-jitted step: state, batch → new state, metrics."""
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        # Cast once, still sharded: FSDP then all-gathers parameters in the compute dtype.
-        params = jax.lax.with_sharding_constraint(
-            _cast(state["params"], options.compute_dtype), spec.shardings["params"])
-        loss_fn = partial(loss_sums, spec.graphdef, compute_dtype=options.compute_dtype)
-        # Inside the per-shard vmap the batch axis is the shard axis itself: no fsdp constraint.
+        loss_fn = partial(loss_sums, spec.graphdef, vocab_chunks=options.vocab_chunks)
+        # Inside the shard_map over fsdp each device sees its own rows: no fsdp constraint.
+        # Parameters go in as fp32 shards: each is cast where it is gathered (gradients.py).
         with activate(options.mesh, per_shard_rules(options.rules)):  # in effect while jit traces
-            grads, loss_sum, tokens = gradients.accumulated(options.gradients, loss_fn, params,
-                                                            batch)
+            grads, loss_sum, tokens = gradients.accumulated(options.gradients, loss_fn,
+                                                            state["params"], batch)
         # A non-finite loss makes every gradient NaN here (in the division that happens anyway),
         # so the optimizer's finiteness guard skips the update even if the gradients were finite.
         denominator = jnp.where(jnp.isfinite(loss_sum), jnp.maximum(tokens, 1.0), jnp.nan)
@@ -102,6 +101,7 @@ def jit_eval_step(spec: StateSpec, options: StepOptions, batch_sharding: NamedSh
     def evaluate(params, batch: Batch) -> tuple[jax.Array, jax.Array]:
         single = jax.tree.map(lambda x: x[0], batch)
         with activate(options.mesh, options.rules):
-            return loss_sums(spec.graphdef, params, single, options.compute_dtype)
+            return loss_sums(spec.graphdef, _cast(params, options.compute_dtype), single,
+                             options.vocab_chunks)
 
     return jax.jit(evaluate, in_shardings=(spec.shardings["params"], batch_sharding))

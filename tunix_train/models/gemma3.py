@@ -17,13 +17,21 @@ from flax import nnx
 
 from tunix_train.config import ModelConfig
 from tunix_train.models import kv_cache
+from tunix_train.models.head import VocabChunks
 from tunix_train.models.layers import DecoderLayer, Embedder, RMSNorm, rope_tables
+from tunix_train.models.params import materialize, never_saving_materialized
 from tunix_train.sharding import constrain
 
-REMAT_POLICIES = {
-    "full": None,  # recompute everything in the backward pass
+# What the backward pass keeps of a layer's forward (`training.remat`). None of them keeps the
+# layer's materialized parameters (models/params.py): FSDP gathers them again instead.
+REMAT_POLICIES = {name: never_saving_materialized(policy) for name, policy in {
+    "none": jax.checkpoint_policies.everything_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
+}.items()}
+
+
+LAYERS = "layers"  # logical axis of a scanned stack of layers
 
 
 @dataclass(frozen=True)
@@ -64,7 +72,7 @@ def _stacked_layers(cfg: ModelConfig, count: int, rngs: nnx.Rngs) -> DecoderLaye
         return None
 
     @nnx.split_rngs(splits=count)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
     def make(layer_rngs: nnx.Rngs) -> DecoderLayer:
         return DecoderLayer(cfg, layer_rngs)
 
@@ -86,6 +94,19 @@ class Gemma3(nnx.Module):
         segment_ids_BxL: jax.Array | None = None,
     ) -> jax.Array:
         """Logits [B, L, V] in the parameters' dtype."""
+        return self.embedder.decode(self.hidden(tokens_BxL, positions_BxL, segment_ids_BxL))
+
+    def token_losses(self, tokens_BxL: jax.Array, targets_BxL: jax.Array,
+                     positions_BxL: jax.Array | None = None,
+                     segment_ids_BxL: jax.Array | None = None,
+                     vocab_chunks: VocabChunks = VocabChunks()) -> jax.Array:
+        """Next-token cross-entropy [B, L] in fp32, the vocabulary a chunk at a time."""
+        hidden_BxLxD = self.hidden(tokens_BxL, positions_BxL, segment_ids_BxL)
+        return self.embedder.token_losses(hidden_BxLxD, targets_BxL, vocab_chunks)
+
+    def hidden(self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None,
+               segment_ids_BxL: jax.Array | None = None) -> jax.Array:
+        """The final normalised hidden states [B, L, D], the output head's input."""
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(tokens_BxL.shape[1]), tokens_BxL.shape)
         x_BxLxD = self.embedder.encode(tokens_BxL)
@@ -97,7 +118,7 @@ class Gemma3(nnx.Module):
         x_BxLxD, _, _ = self._run_layers(x_BxLxD, local_step, global_step,
                                          self._state(self.local_layers),
                                          self._state(self.global_layers))
-        return self.embedder.decode(self.final_norm(x_BxLxD))
+        return _materialized(self.final_norm)(x_BxLxD)
 
     def decode(self, tokens_BxT: jax.Array, positions_BxT: jax.Array,
                cache: kv_cache.Cache) -> tuple[jax.Array, kv_cache.Cache]:
@@ -115,7 +136,7 @@ class Gemma3(nnx.Module):
                                            cache["next"], window) if present else None)
             xs.append((nnx.state(stack), cache[kind]["layers"]) if present else None)
         x_BxTxD, local_kv, global_kv = self._run_layers(x_BxTxD, *steps, *xs)
-        logits_BxTxV = self.embedder.decode(self.final_norm(x_BxTxD))
+        logits_BxTxV = self.embedder.decode(_materialized(self.final_norm)(x_BxTxD))
         return logits_BxTxV, kv_cache.advance(cache, positions_BxT, local_kv, global_kv)
 
     def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype) -> kv_cache.Cache:
@@ -173,12 +194,11 @@ class Gemma3(nnx.Module):
         graphdef = nnx.graphdef(stack)
 
         def step(x_BxLxD, layer_state):
-            layer = nnx.merge(graphdef, layer_state)
+            layer = nnx.merge(graphdef, materialize(layer_state))
             return layer(x_BxLxD, cos_sin, segment_ids_BxL, window), None
 
-        if self.remat != "none":
-            step = jax.checkpoint(step, policy=REMAT_POLICIES[self.remat])
-        return step
+        # prevent_cse=False: the scan already keeps iterations apart.
+        return jax.checkpoint(step, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
 
     @staticmethod
     def _decode_step(stack, cos_sin, positions_BxT, kind_cache, next_column, window):
@@ -186,11 +206,16 @@ class Gemma3(nnx.Module):
 
         def step(x_BxTxD, xs):
             layer_state, layer_kv = xs
-            layer = nnx.merge(graphdef, layer_state)
+            layer = nnx.merge(graphdef, materialize(layer_state))
             view = kv_cache.LayerView(layer_kv, kind_cache["positions"], next_column)
             return layer.decode(x_BxTxD, cos_sin, positions_BxT, view, window)
 
         return step
+
+
+def _materialized(module: nnx.Module) -> nnx.Module:
+    graphdef, state = nnx.split(module)
+    return nnx.merge(graphdef, materialize(state))
 
 
 def count_params(cfg: ModelConfig) -> int:

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tunix_train.config import ModelConfig
-from tunix_train.models import kv_cache
+from tunix_train.models import head, kv_cache
+from tunix_train.models.params import materialize, take
 from tunix_train.sharding import constrain
 
 
@@ -51,13 +52,22 @@ class Embedder(nnx.Module):
         self.embed_dim = cfg.embed_dim
 
     def encode(self, tokens_BxL: jax.Array) -> jax.Array:
-        table_VxD = self.embedding[...]
-        x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0)
+        x_BxLxD = take(self.embedding.get_value(), tokens_BxL)
         return x_BxLxD * jnp.asarray(self.embed_dim**0.5, x_BxLxD.dtype)
 
     def decode(self, x_BxLxD: jax.Array) -> jax.Array:
-        logits_BxLxV = jnp.einsum("bld,vd->blv", x_BxLxD, self.embedding[...])
+        """Logits over the whole vocabulary (generation, evaluation of a few tokens)."""
+        table_VxD = materialize(self.embedding.get_value())
+        logits_BxLxV = jnp.einsum("bld,vd->blv", x_BxLxD, table_VxD)
         return constrain(logits_BxLxV, ("act_batch", "act_seq", "act_vocab"))
+
+    def token_losses(self, x_BxLxD: jax.Array, targets_BxL: jax.Array,
+                     chunks: head.VocabChunks) -> jax.Array:
+        """Cross-entropy [B, L] (fp32) of the logits, never formed whole (models/head.py)."""
+        batch, length, dim = x_BxLxD.shape
+        losses_T = head.token_losses(x_BxLxD.reshape(batch * length, dim),
+                                     self.embedding.get_value(), targets_BxL.reshape(-1), chunks)
+        return losses_T.reshape(batch, length)
 
 
 def rope_tables(positions_BxL: jax.Array, head_dim: int, base: float, scale: float):

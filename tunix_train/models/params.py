@@ -1,0 +1,83 @@
+"""How model code reads its parameters: as they are, or through a hook that a trainer installs.
+
+Model code reads parameters in two ways, both right before use:
+
+    materialize(state)   a module's parameters (the scanned layers: one layer's slice, inside
+                         the layer loop; the output head: one vocabulary chunk at a time)
+    take(table, ids)     rows of an embedding table (the token lookup)
+
+Outside `hooked(...)` both are what they say. A trainer installs a `ParamHook` to fetch
+parameters just in time: FSDP all-gathers a layer's shards in `materialize`, and its custom VJP
+reduces the layer's gradient where the backward pass produces it (tunix_train/gradients.py).
+
+What a hook materializes is never saved for the backward pass (`never_saving_materialized`):
+like FSDP, a layer is gathered again when the backward pass reaches it, instead of every
+gathered layer staying alive from the forward pass to the backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Callable, Iterator, Protocol
+
+import jax
+import jax.numpy as jnp
+
+MATERIALIZED = "materialized_parameter"
+
+
+class ParamHook(Protocol):
+    def materialize(self, state: Any) -> Any: ...
+
+    def take(self, table: Any, ids: jax.Array) -> jax.Array: ...
+
+
+_hook: contextvars.ContextVar[ParamHook | None] = contextvars.ContextVar(
+    "tunix_train_param_hook", default=None)
+
+
+def materialize(state: Any) -> Any:
+    """A module's parameters ready for compute (the identity unless a hook is installed)."""
+    hook = _hook.get()
+    return state if hook is None else hook.materialize(state)
+
+
+def take(table: Any, ids: jax.Array) -> jax.Array:
+    """`table[ids]`: rows of an embedding table ([V, D] → ids.shape + [D])."""
+    hook = _hook.get()
+    return jnp.take(table, ids, axis=0) if hook is None else hook.take(table, ids)
+
+
+@contextlib.contextmanager
+def hooked(hook: ParamHook) -> Iterator[None]:
+    """`hook` serves `materialize` and `take` while tracing inside this block."""
+    token = _hook.set(hook)
+    try:
+        yield
+    finally:
+        _hook.reset(token)
+
+
+def materializer(fn: Callable) -> Callable:
+    """Marks the function a hook applies to each parameter, before `jax.custom_vjp` wraps it.
+
+    JAX's recomputation policies see a custom VJP as one equation and know it only by its
+    function's name, so the mark is the name.
+    """
+    fn.__name__ = fn.__qualname__ = MATERIALIZED
+    return fn
+
+
+def never_saving_materialized(policy: Callable) -> Callable:
+    """A `jax.checkpoint` policy that saves what `policy` saves, except materialized parameters:
+    the backward pass materializes them again (for FSDP: gathers them again)."""
+
+    def saveable(prim, *avals, **params) -> bool:
+        call = params.get("call_jaxpr")
+        if str(prim) == "custom_vjp_call" and call is not None and \
+                getattr(call.jaxpr.debug_info, "func_name", None) == MATERIALIZED:
+            return False
+        return policy(prim, *avals, **params)
+
+    return saveable
