@@ -114,7 +114,7 @@ def analyse(setup: Setup, compiled: jax.stages.Compiled) -> StepAnalysis:
 def memory_lines(analysis: StepAnalysis) -> list[str]:
     b = {k: v / MB for k, v in analysis.per_device_bytes.items()}
     x = {k: v / MB for k, v in analysis.xla_memory.items()}
-    buffer = (f", of them a {b['grad_buffer']:,.1f} MB unreduced gradient buffer"
+    buffer = (f"; also there: a {b['grad_buffer']:,.1f} MB unreduced gradient buffer"
               if b["grad_buffer"] else "")
     return [
         f"memory per device (compiled step), from XLA: arguments {x['arguments']:,.1f} MB + outputs "
