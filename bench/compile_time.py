@@ -26,9 +26,10 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tunix_train import cli, sharding  # noqa: E402
-from tunix_train.train import build_setup  # noqa: E402
-from tunix_train.train_step import jit_train_step  # noqa: E402
+from tunix_train import cli  # noqa: E402
+from tunix_train.parallel import sharding
+from tunix_train.training.run import build_setup  # noqa: E402
+from tunix_train.training.train_step import jit_train_step  # noqa: E402
 
 DEPTHS = (4, 14, 26)
 

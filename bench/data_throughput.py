@@ -18,11 +18,12 @@ import time
 
 import jax
 
-from tunix_train import cli, sharding
-from tunix_train import state as state_lib
+from tunix_train import cli
+from tunix_train.parallel import sharding
+from tunix_train.training import state as state_lib
 from tunix_train.data import pipeline
-from tunix_train.train import build_setup
-from tunix_train.train_step import jit_train_step
+from tunix_train.training.run import build_setup
+from tunix_train.training.train_step import jit_train_step
 
 PIPELINE_WARMUP, PIPELINE_STEPS = 5, 200
 STEP_WARMUP, STEPS = 2, 10

@@ -7,7 +7,7 @@ Any run_training.py override is accepted. The step is the framework's own (`jit_
 fed one fixed batch already on the devices, so the number is the step's speed alone. The batch
 is a real one from the configured data (packed documents, so attention carries document
 masks); `MFU_BATCH=random` uses unpacked random tokens instead (no masks).
-Prints tokens/s/device and MFU (model FLOPs from tunix_train/flops.py over the device kind's
+Prints tokens/s/device and MFU (model FLOPs from tunix_train/analysis/flops.py over the device kind's
 peak; `logging.peak_tflops=…` sets the peak where the table has none). The last line is JSON.
 """
 
@@ -25,11 +25,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tunix_train import cli, flops, sharding  # noqa: E402
+from tunix_train import cli  # noqa: E402
+from tunix_train.analysis import flops
+from tunix_train.parallel import sharding
 from tunix_train.data import pipeline  # noqa: E402
-from tunix_train import state as state_lib  # noqa: E402
-from tunix_train.train import build_setup  # noqa: E402
-from tunix_train.train_step import jit_train_step  # noqa: E402
+from tunix_train.training import state as state_lib  # noqa: E402
+from tunix_train.training.run import build_setup  # noqa: E402
+from tunix_train.training.train_step import jit_train_step  # noqa: E402
 
 WARMUP, ROUNDS, STEPS_PER_ROUND = 3, 5, 5
 

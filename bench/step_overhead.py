@@ -22,10 +22,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-from tunix_train import cli, sharding
-from tunix_train import state as state_lib
-from tunix_train.train import build_setup
-from tunix_train.train_step import jit_train_step
+from tunix_train import cli
+from tunix_train.parallel import sharding
+from tunix_train.training import state as state_lib
+from tunix_train.training.run import build_setup
+from tunix_train.training.train_step import jit_train_step
 
 ROUNDS, STEPS_PER_ROUND, WARMUP = 5, 4, 2
 

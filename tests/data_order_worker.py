@@ -19,9 +19,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers import compose_config  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
-from tunix_train import distributed, sharding  # noqa: E402
+from tunix_train.parallel import distributed  # noqa: E402
+from tunix_train.parallel import sharding  # noqa: E402
 from tunix_train.data import pipeline, sources  # noqa: E402
-from tunix_train.train import build_setup  # noqa: E402
+from tunix_train.training.run import build_setup  # noqa: E402
 
 
 def _record_reads(read: list[str]) -> None:

@@ -11,12 +11,12 @@ import numpy as np
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from tunix_train import state as state_lib
-from tunix_train import sharding
+from tunix_train.training import state as state_lib
+from tunix_train.parallel import sharding
 from tunix_train.config import Config, register_configs
-from tunix_train.train import build_setup
+from tunix_train.training.run import build_setup
 from tunix_train.data import pipeline
-from tunix_train.train_step import jit_train_step
+from tunix_train.training.train_step import jit_train_step
 
 REPO = Path(__file__).resolve().parent.parent
 register_configs()
@@ -83,12 +83,12 @@ def compiled_run(cfg: Config, steps: int, devices=None):
     """The step compiled ahead of time as a run compiles it, its analysis, and `steps` losses.
 
     Returns (setup, analysis, losses, final state)."""
-    from tunix_train import step_analysis
+    from tunix_train.analysis import costs
 
     setup = build_setup(cfg, devices)
     batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
-    compiled = step_analysis.compile_step(setup, batch_sharding)
-    analysis = step_analysis.analyse(setup, compiled)
+    compiled = costs.compile_step(setup, batch_sharding)
+    analysis = costs.analyse(setup, compiled)
     losses, state = [], None
     if steps:
         data = pipeline.build(cfg.data, cfg.model, cfg.training.seed, setup.batch, batch_sharding)

@@ -16,11 +16,13 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import compose_config
-from tunix_train import checkpoint, mesh as mesh_lib, optim
+from tunix_train import checkpoint
+from tunix_train.parallel import mesh as mesh_lib
+from tunix_train.training import optim
 from tunix_train import config as config_lib
 from tunix_train.checkpoint import Checkpoints
 from tunix_train.config import CheckpointConfig, ConfigError
-from tunix_train.preemption import PreemptionSignal
+from tunix_train.training.preemption import PreemptionSignal
 
 # A failed Orbax read leaves its other coroutines un-awaited; Python reports them whenever they
 # are collected, during whichever test runs then.

@@ -7,8 +7,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import TINY, compiled_run, compose_config, mesh_arg
-from tunix_train import comm_report, hlo
-from tunix_train import mesh as mesh_lib
+from tunix_train.analysis import comm_report
+from tunix_train.analysis import hlo
+from tunix_train.parallel import mesh as mesh_lib
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from hydra.errors import ConfigCompositionException
 from helpers import compose_config
 from tunix_train import config as config_lib
 from tunix_train.config import ConfigError
-from tunix_train.train import batch_shape
+from tunix_train.training.run import batch_shape
 
 
 def test_defaults_compose_into_the_typed_schema():

@@ -11,13 +11,13 @@ from flax import nnx
 
 from helpers import REPO, TINY, compose_config, mesh_arg, run_cli
 from tunix_train import config as config_lib
-from tunix_train import sharding
-from tunix_train import state as state_lib
+from tunix_train.parallel import sharding
+from tunix_train.training import state as state_lib
 from tunix_train.config import ConfigError
 from tunix_train.data import demo, pipeline
 from tunix_train.models.gemma3 import Gemma3
-from tunix_train.train import build_setup
-from tunix_train.train_step import jit_eval_step, jit_train_step
+from tunix_train.training.run import build_setup
+from tunix_train.training.train_step import jit_eval_step, jit_train_step
 
 ROWS = 4
 STEPS = 30  # enough for the held-out loss to fall clearly from its initial ~ln(vocab)

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from helpers import REPO, TINY, compose_config
-from tunix_train import sharding
+from tunix_train.parallel import sharding
 from tunix_train.data import demo, pipeline
-from tunix_train.train import build_setup
+from tunix_train.training.run import build_setup
 
 pytestmark = pytest.mark.slow
 BATCHES = 3  # batches before the state is taken

@@ -5,8 +5,8 @@ from collections import namedtuple
 
 import pytest
 
-from tunix_train import distributed
-from tunix_train import mesh as mesh_lib
+from tunix_train.parallel import distributed
+from tunix_train.parallel import mesh as mesh_lib
 from tunix_train.config import ConfigError, DistributedConfig
 
 FakeDevice = namedtuple("FakeDevice", "id process_index device_kind")

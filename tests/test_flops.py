@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from helpers import compose_config
-from tunix_train import flops
+from tunix_train.analysis import flops
 from tunix_train.config import LoggingConfig
 from tunix_train.models.gemma3 import LayerLayout, count_params
 from tunix_train.models.layers import DecoderLayer, rope_tables

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from helpers import TINY, compiled_run, compose_config, mesh_arg, train_losses
-from tunix_train import gradients, hlo
+from tunix_train.parallel import fsdp
+from tunix_train.analysis import hlo
 
 # A model whose gradient dominates memory: wide MLPs, 13 layers, 4 tokens per sequence.
 GRADIENT_HEAVY = [*TINY, "model.hidden_dim=2048", "model.num_layers=13", "data.seq_len=4",
@@ -18,7 +19,7 @@ GRADIENT_HEAVY = [*TINY, "model.hidden_dim=2048", "model.num_layers=13", "data.s
 
 def _whole_unreduced_gradient(setup) -> int:
     plan = setup.options.gradients
-    return gradients.local_gradient_bytes(plan, setup.spec.abstract["params"],
+    return fsdp.local_gradient_bytes(plan, setup.spec.abstract["params"],
                                           setup.options.compute_dtype)
 
 
@@ -64,7 +65,7 @@ def _sync_reduce_scatters(module: hlo.Module):
     for name, instructions in module.computations.items():
         for inst in instructions:
             if inst.opcode.startswith("reduce-scatter") and \
-                    gradients.SYNC_SCOPE in inst.attrs:
+                    fsdp.SYNC_SCOPE in inst.attrs:
                 yield name, inst
 
 

@@ -8,8 +8,8 @@ from flax import nnx
 
 from helpers import TINY, compose_config, mesh_arg
 from tunix_train.models.gemma3 import Gemma3
-from tunix_train.sampler import Sampler, SamplingOptions, left_pad, sample, _stop_at_eos
-from tunix_train.train import build_setup
+from tunix_train.inference.sampler import Sampler, SamplingOptions, left_pad, sample, _stop_at_eos
+from tunix_train.training.run import build_setup
 
 NEW = 24
 # Longer than the window (16), shorter, and a single token: ragged rows of one batch.

@@ -16,9 +16,9 @@ from helpers import compose_config, mesh_arg  # noqa: E402
 from tunix_train import cli  # noqa: E402
 from tunix_train.config import ConfigError  # noqa: E402
 from tunix_train.export import export  # noqa: E402
-from tunix_train.sampler import Sampler, SamplingOptions  # noqa: E402
+from tunix_train.inference.sampler import Sampler, SamplingOptions  # noqa: E402
 from tunix_train.models import hf_weights  # noqa: E402
-from tunix_train.train import build_setup  # noqa: E402
+from tunix_train.training.run import build_setup  # noqa: E402
 
 SEQ = 40  # > sliding_window (8): local layers really slide
 
@@ -152,7 +152,7 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
 
 
 def test_training_starts_from_the_imported_weights(reference, single_device):
-    from tunix_train import state as state_lib
+    from tunix_train.training import state as state_lib
 
     cfg = cli.compose([f"model.init_from=hf:{reference[0]}", mesh_arg(8, 1), "data.seq_len=32",
                        "training.mixed_precision=fp32"])

@@ -2,7 +2,7 @@ import jax
 import pytest
 from jax.sharding import AxisType
 
-from tunix_train import mesh as mesh_lib
+from tunix_train.parallel import mesh as mesh_lib
 from tunix_train.config import ConfigError
 
 

@@ -6,7 +6,7 @@ from flax import nnx
 
 from helpers import TINY, compose_config
 from tunix_train.models.gemma3 import Gemma3, LayerLayout, count_params
-from tunix_train.train_step import loss_sums
+from tunix_train.training.train_step import loss_sums
 
 
 def _model(*overrides, remat="none"):

@@ -10,8 +10,8 @@ import jax
 import pytest
 
 from helpers import REPO, TINY, compose_config, mesh_arg, run_cli
-from tunix_train import state as state_lib
-from tunix_train.train import build_setup
+from tunix_train.training import state as state_lib
+from tunix_train.training.run import build_setup
 
 pytestmark = pytest.mark.slow
 MODEL = [*TINY, mesh_arg(4, 2), "training.micro_batch_size=2"]

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from helpers import TINY, mesh_arg, run_cli, start_cli
-from tunix_train.faults import ENV as FAULTS
+from tunix_train.training.faults import ENV as FAULTS
 
 pytestmark = pytest.mark.slow
 STEPS = 10

@@ -3,11 +3,11 @@ import numpy as np
 import pytest
 
 from helpers import TINY, compose_config, mesh_arg
-from tunix_train import mesh as mesh_lib
-from tunix_train import sharding
-from tunix_train import state as state_lib
+from tunix_train.parallel import mesh as mesh_lib
+from tunix_train.parallel import sharding
+from tunix_train.training import state as state_lib
 from tunix_train.config import ConfigError
-from tunix_train.train import build_setup
+from tunix_train.training.run import build_setup
 
 
 def _sharded_over(leaf, axis: str) -> bool:

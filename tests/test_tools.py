@@ -18,12 +18,12 @@ from helpers import REPO, TINY, compose_config, mesh_arg, run_cli
 from test_docs import DOCS, shown_commands, split_command
 from test_generate import full_recompute_greedy, varied
 from tunix_train import cli
-from tunix_train import state as state_lib
+from tunix_train.training import state as state_lib
 from tunix_train.data import demo
 from tunix_train.data.tokenizer import SentencePieceTokenizer
 from tunix_train.export import export
 from tunix_train.generate import generate
-from tunix_train.train import build_setup
+from tunix_train.training.run import build_setup
 
 pytestmark = pytest.mark.slow
 EIGHT_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
@@ -109,13 +109,13 @@ def test_a_run_trained_with_sentencepiece_generates_and_exports_with_it(tmp_path
 
 
 def test_an_imported_checkpoint_brings_its_own_tokenizer(tmp_path):
-    from tunix_train import pretrained
+    from tunix_train.inference import weights
 
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "tokenizer.json").write_text("{}")
     cfg = compose_config(f"model.init_from=hf:{tmp_path}")  # (dimensions are not read here)
-    assert pretrained.tokenizer_spec(cfg, chosen=False) == f"hf:{tmp_path / 'tokenizer.json'}"
-    assert pretrained.tokenizer_spec(cfg, chosen=True) == "byte"  # the command line wins
+    assert weights.tokenizer_spec(cfg, chosen=False) == f"hf:{tmp_path / 'tokenizer.json'}"
+    assert weights.tokenizer_spec(cfg, chosen=True) == "byte"  # the command line wins
 
 
 def test_export_from_a_run_loads_in_transformers(run_dir, exported):
@@ -134,7 +134,7 @@ def test_export_from_a_run_loads_in_transformers(run_dir, exported):
 
 
 def test_training_from_an_imported_checkpoint_logs_mfu(run_dir, exported, tmp_path):
-    from tunix_train import flops
+    from tunix_train.analysis import flops
 
     result = run_cli([f"model.init_from=hf:{exported}", "training.steps=2", "data.seq_len=32",
                       "data.max_corpus_bytes=400000", "logging.every_steps=1",

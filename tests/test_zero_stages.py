@@ -86,7 +86,7 @@ def test_bf16_gradient_reductions_carry_half_the_bytes(stages):
 
 
 def test_planner_parameter_bytes_equal_a_real_allocation(stages):
-    from tunix_train import state as state_lib
+    from tunix_train.training import state as state_lib
 
     for stage in (0, 3):
         _, per_device = state_lib.param_bytes(stages[stage][3]["params"])

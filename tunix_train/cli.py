@@ -88,7 +88,7 @@ def user_errors() -> Iterator[None]:
 def run_training(cfg: DictConfig, run_dir: str) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from tunix_train import train  # after Hydra has set up logging and the run dir
+    from tunix_train.training.run import run  # after Hydra has set up logging and the run dir
 
     with user_errors():
-        train.run(typed(cfg, HydraConfig.get().overrides.task), Path(run_dir))
+        run(typed(cfg, HydraConfig.get().overrides.task), Path(run_dir))

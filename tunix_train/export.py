@@ -19,7 +19,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from tunix_train import cli, pretrained
+from tunix_train import cli
+from tunix_train.inference import weights
 from tunix_train.config import Config, ConfigError
 from tunix_train.data import tokenizer as tokenizer_lib
 from tunix_train.models import hf_config, hf_weights
@@ -39,14 +40,14 @@ def export(cfg: Config, explicit: Iterable[str] = (), tokenizer_chosen: bool = F
         raise ConfigError(
             "nothing to export: set checkpoint.resume_from=<run dir> (or model.init_from=hf:<dir>)."
         )
-    spec = pretrained.tokenizer_spec(cfg, tokenizer_chosen)
+    spec = weights.tokenizer_spec(cfg, tokenizer_chosen)
     tok = None if spec == "none" else tokenizer_lib.load(spec)  # a bad path fails before loading
-    cfg, _, params = pretrained.load(cfg, explicit)
+    cfg, _, params = weights.load(cfg, explicit)
     host = _to_host(params)
     if jax.process_index() != 0:
         return []
     out = Path(cfg.export.path).expanduser()
-    origin = pretrained.hf_origin(cfg.model)
+    origin = weights.hf_origin(cfg.model)
     files = hf_weights.save(host, cfg.model, out, np.dtype(cfg.export.dtype),
                             int(cfg.export.max_shard_gb * 1e9), _token_ids(tok, origin))
     if origin is not None:

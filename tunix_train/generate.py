@@ -1,7 +1,7 @@
 """`python -m tunix_train.generate <model/checkpoint overrides> generate.prompt="…"`
 
 Loads weights (`checkpoint.resume_from=<run dir>` or `model.init_from=hf:<dir>`), runs the
-compiled KV-cache sampler (tunix_train/sampler.py) on one prompt and prints the completion; the
+compiled KV-cache sampler (tunix_train/inference/sampler.py) on one prompt and prints the completion; the
 last line printed is JSON `{"ids": [...], "text": "..."}` (`ids` = the new tokens only).
 """
 
@@ -11,16 +11,17 @@ import json
 import sys
 from typing import Any, Iterable
 
-from tunix_train import cli, pretrained
+from tunix_train import cli
+from tunix_train.inference import weights
 from tunix_train.config import Config, ConfigError
 from tunix_train.data import tokenizer as tokenizer_lib
-from tunix_train.sampler import Sampler, SamplingOptions
-from tunix_train.train import compute_dtype
+from tunix_train.inference.sampler import Sampler, SamplingOptions
+from tunix_train.training.run import compute_dtype
 
 
 def tokenizer(cfg: Config, chosen: bool = False) -> tokenizer_lib.Tokenizer | None:
-    """The weights' tokenizer (see `pretrained.tokenizer_spec`); None for `data.tokenizer=none`."""
-    spec = pretrained.tokenizer_spec(cfg, chosen)
+    """The weights' tokenizer (see `weights.tokenizer_spec`); None for `data.tokenizer=none`."""
+    spec = weights.tokenizer_spec(cfg, chosen)
     return None if spec == "none" else tokenizer_lib.load(spec)
 
 
@@ -63,7 +64,7 @@ def generate(cfg: Config, explicit: Iterable[str] = (),
     tok = tokenizer(cfg, tokenizer_chosen)
     ids = prompt_ids(cfg, tok)
     sampling = options(cfg, tok)
-    cfg, setup, params = pretrained.load(cfg, explicit)
+    cfg, setup, params = weights.load(cfg, explicit)
     sampler = Sampler(setup.spec.graphdef, setup.spec.shardings["params"], sampling,
                       compute_dtype(cfg.training.mixed_precision), setup.mesh, setup.plan.params)
     new = sampler(params, [ids], seed=cfg.generate.seed)[0]

@@ -73,8 +73,10 @@ def ensure_cpu_devices(count: int, run_dir: str) -> None:
 
 def plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
     """Compiles the configuration's train step on the available (simulated) devices."""
-    from tunix_train import config as config_lib, sharding, step_analysis  # after the re-exec
-    from tunix_train.train import build_setup
+    from tunix_train import config as config_lib  # after the re-exec
+    from tunix_train.parallel import sharding
+    from tunix_train.analysis import costs
+    from tunix_train.training.run import build_setup
 
     config_lib.validate(cfg)
     if cfg.training.mixed_precision == "auto":
@@ -82,8 +84,8 @@ def plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
     setup = build_setup(cfg)
     start = time.perf_counter()
     batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
-    compiled = step_analysis.compile_step(setup, batch_sharding)
-    analysis = step_analysis.analyse(setup, compiled)
+    compiled = costs.compile_step(setup, batch_sharding)
+    analysis = costs.analyse(setup, compiled)
     return write(run_dir, setup, analysis, time.perf_counter() - start)
 
 

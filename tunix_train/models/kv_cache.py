@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from tunix_train.sharding import constrain
+from tunix_train.parallel.sharding import constrain
 
 Cache = dict
 

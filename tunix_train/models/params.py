@@ -8,7 +8,7 @@ Model code reads parameters in two ways, both right before use:
 
 Outside `hooked(...)` both are what they say. A trainer installs a `ParamHook` to fetch
 parameters just in time: FSDP all-gathers a layer's shards in `materialize`, and its custom VJP
-reduces the layer's gradient where the backward pass produces it (tunix_train/gradients.py).
+reduces the layer's gradient where the backward pass produces it (tunix_train/fsdp.py).
 
 What a hook materializes is never saved for the backward pass (`never_saving_materialized`):
 like FSDP, a layer is gathered again when the backward pass reaches it, instead of every

@@ -19,16 +19,18 @@ from typing import TYPE_CHECKING, Any, Callable
 import jax
 
 from tunix_train import config as config_lib
-from tunix_train import flops, optim, profiling
+from tunix_train.analysis import flops
+from tunix_train.training import optim
+from tunix_train.analysis import profiling
 from tunix_train.checkpoint import Checkpoints
 from tunix_train.data.pipeline import GlobalBatches
-from tunix_train.faults import Faults
-from tunix_train.metrics import MetricsWriter, Throughput, format_line
-from tunix_train.preemption import PreemptionSignal
-from tunix_train.watchdog import Watchdog
+from tunix_train.training.faults import Faults
+from tunix_train.training.metrics import MetricsWriter, Throughput, format_line
+from tunix_train.training.preemption import PreemptionSignal
+from tunix_train.training.watchdog import Watchdog
 
 if TYPE_CHECKING:
-    from tunix_train.train import Setup
+    from tunix_train.training.run import Setup
 
 log = logging.getLogger("tunix_train")
 

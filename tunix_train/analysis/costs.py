@@ -9,7 +9,7 @@ temporaries. Beside it, the model state follows the ZeRO paper's accounting from
 themselves: fp32 parameters (4 bytes each), fp32 gradients (4) and Adam's two fp32 moments (8)
 per parameter, each divided by the devices it is sharded over. Gradients are not part of the
 train state: they live in XLA's temporaries during the step, with the activations, and with
-`training.sync_gradients_every` > 1 with a whole unreduced gradient buffer (see gradients.py).
+`training.sync_gradients_every` > 1 with a whole unreduced gradient buffer (see fsdp.py).
 """
 
 from __future__ import annotations
@@ -25,12 +25,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from tunix_train import comm_report, gradients, hlo
-from tunix_train.comm_report import CommReport
-from tunix_train.train_step import jit_train_step
+from tunix_train.analysis import comm_report
+from tunix_train.parallel import fsdp
+from tunix_train.analysis import hlo
+from tunix_train.analysis.comm_report import CommReport
+from tunix_train.training.train_step import jit_train_step
 
 if TYPE_CHECKING:
-    from tunix_train.train import Setup
+    from tunix_train.training.run import Setup
 
 MB = 1e6
 log = logging.getLogger("tunix_train")
@@ -87,8 +89,8 @@ def gradient_buffer_bytes(setup: Setup) -> int:
     plan, params = setup.options.gradients, setup.spec.abstract["params"]
     if plan.sync_every == 1:
         return 0
-    return (gradients.local_gradient_bytes(plan, params, setup.options.compute_dtype)
-            + gradients.local_gradient_bytes(plan, params, jnp.float32))
+    return (fsdp.local_gradient_bytes(plan, params, setup.options.compute_dtype)
+            + fsdp.local_gradient_bytes(plan, params, jnp.float32))
 
 
 def analyse(setup: Setup, compiled: jax.stages.Compiled) -> StepAnalysis:
@@ -105,7 +107,7 @@ def analyse(setup: Setup, compiled: jax.stages.Compiled) -> StepAnalysis:
         "total": xla["arguments"] + xla["outputs"] - xla["aliased"] + xla["temp"],
     }
     module = hlo.parse(compiled.as_text())
-    reduction = gradients.local_gradient_bytes(plan, spec.abstract["params"], plan.reduce_dtype)
+    reduction = fsdp.local_gradient_bytes(plan, spec.abstract["params"], plan.reduce_dtype)
     comm = comm_report.build(module, setup.mesh, gradient_bytes=reduction)
     return StepAnalysis(per_device, xla, hlo.flops(module) * setup.mesh.devices.size, comm,
                         module)

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from tunix_train.config import Config
 from tunix_train.models import hf_weights
 from tunix_train.models.gemma3 import LAYERS, Gemma3
-from tunix_train.sharding import ShardingPlan, optimizer_shardings, replicated, state_shardings
+from tunix_train.parallel.sharding import ShardingPlan, optimizer_shardings, replicated, state_shardings
 
 TrainState = dict[str, Any]
 

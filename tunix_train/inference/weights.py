@@ -14,7 +14,7 @@ from tunix_train import checkpoint, saved_run
 from tunix_train.config import Config, ModelConfig
 from tunix_train.models import hf_config, hf_weights
 from tunix_train.models.gemma3 import Gemma3
-from tunix_train.train import Setup, build_setup
+from tunix_train.training.run import Setup, build_setup
 
 log = logging.getLogger("tunix_train")
 

@@ -24,7 +24,7 @@ from flax.core import spmd as flax_spmd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tunix_train.config import DEFAULT_SHARDING_RULES, ConfigError, ModelConfig
-from tunix_train.mesh import FSDP, TP
+from tunix_train.parallel.mesh import FSDP, TP
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def vocab_shards(rules: LogicalRules, mesh: Mesh) -> int:
 
 
 def per_shard_rules(rules: LogicalRules) -> LogicalRules:
-    """Rules for code that runs on one fsdp shard's rows (see gradients.py): activations no
+    """Rules for code that runs on one fsdp shard's rows (see fsdp.py): activations no
     longer split over fsdp, since the shard axis itself is."""
     return tuple((name, None if axis == FSDP and name.startswith("act_") else axis)
                  for name, axis in rules)

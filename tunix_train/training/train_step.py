@@ -3,7 +3,7 @@
 Loss is the masked next-token cross-entropy in fp32. Gradient accumulation scans over
 micro-batches summing unnormalised losses and gradients, then normalises once by the total
 token count, so accumulation k × micro-batch b equals one batch of k·b exactly (up to float
-summation order). How gradients are summed and reduced over fsdp is gradients.py's job.
+summation order). How gradients are summed and reduced over fsdp is fsdp.py's job.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from tunix_train import gradients
-from tunix_train.gradients import GradientPlan
+from tunix_train.parallel import fsdp
+from tunix_train.parallel.fsdp import GradientPlan
 from tunix_train.models.head import VocabChunks
-from tunix_train.optim import skipped_updates
-from tunix_train.sharding import LogicalRules, activate, per_shard_rules
-from tunix_train.state import StateSpec, TrainState
+from tunix_train.training.optim import skipped_updates
+from tunix_train.parallel.sharding import LogicalRules, activate, per_shard_rules
+from tunix_train.training.state import StateSpec, TrainState
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
@@ -60,9 +60,9 @@ def train_step_fn(spec: StateSpec, optimizer: optax.GradientTransformation,
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         loss_fn = partial(loss_sums, spec.graphdef, vocab_chunks=options.vocab_chunks)
         # Inside the shard_map over fsdp each device sees its own rows: no fsdp constraint.
-        # Parameters go in as fp32 shards: each is cast where it is gathered (gradients.py).
+        # Parameters go in as fp32 shards: each is cast where it is gathered (fsdp.py).
         with activate(options.mesh, per_shard_rules(options.rules)):  # in effect while jit traces
-            grads, loss_sum, tokens = gradients.accumulated(options.gradients, loss_fn,
+            grads, loss_sum, tokens = fsdp.accumulated(options.gradients, loss_fn,
                                                             state["params"], batch)
         # A non-finite loss makes every gradient NaN here (in the division that happens anyway),
         # so the optimizer's finiteness guard skips the update even if the gradients were finite.

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tunix_train.mesh import FSDP
+from tunix_train.parallel.mesh import FSDP
 from tunix_train.models import params as model_params
 
 SYNC_SCOPE = "gradient_sync"  # named scope of the reductions; the comm report looks for it

@@ -12,20 +12,25 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from tunix_train import checkpoint, distributed, optim, profiling, sharding, step_analysis
+from tunix_train import checkpoint
+from tunix_train.parallel import distributed
+from tunix_train.training import optim
+from tunix_train.analysis import profiling
+from tunix_train.parallel import sharding
+from tunix_train.analysis import costs
 from tunix_train import config as config_lib
-from tunix_train import faults as faults_lib
-from tunix_train import mesh as mesh_lib
-from tunix_train import state as state_lib
+from tunix_train.training import faults as faults_lib
+from tunix_train.parallel import mesh as mesh_lib
+from tunix_train.training import state as state_lib
 from tunix_train.checkpoint import Checkpoints
 from tunix_train.config import Config, ConfigError
 from tunix_train.data import pipeline
 from tunix_train.data.pipeline import BatchShape, GlobalBatches
-from tunix_train.gradients import GradientPlan
-from tunix_train.loop import Loop
+from tunix_train.parallel.fsdp import GradientPlan
+from tunix_train.training.loop import Loop
 from tunix_train.models.head import VocabChunks
-from tunix_train.metrics import MetricsWriter, setup_process_logging
-from tunix_train.train_step import StepOptions, jit_eval_step
+from tunix_train.training.metrics import MetricsWriter, setup_process_logging
+from tunix_train.training.train_step import StepOptions, jit_eval_step
 
 log = logging.getLogger("tunix_train")
 
@@ -122,8 +127,8 @@ def _final_evaluation(state, summary: dict, evaluate, writer: MetricsWriter) -> 
 
 def _compiled_train_step(setup: Setup, batch_sharding, writer: MetricsWriter, run_dir: Path):
     """Compiled ahead of time, so memory and communication are known before the first step."""
-    compiled = step_analysis.compile_step(setup, batch_sharding)
-    step_analysis.report(setup, step_analysis.analyse(setup, compiled), writer, run_dir)
+    compiled = costs.compile_step(setup, batch_sharding)
+    costs.report(setup, costs.analyse(setup, compiled), writer, run_dir)
     if setup.cfg.training.profile_communication:
         return profiling.traced(compiled, run_dir / "tensorboard", setup.cfg.training.steps)
     return compiled

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tunix_train.sharding import LogicalRules, activate
+from tunix_train.parallel.sharding import LogicalRules, activate
 
 
 @dataclass(frozen=True)
