@@ -22,35 +22,23 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tunix_train import cli  # noqa: E402
-from tunix_train.parallel import sharding
-from tunix_train.training.run import build_setup  # noqa: E402
-from tunix_train.training.train_step import jit_train_step  # noqa: E402
+from tunix_train.training.setup import Setup  # noqa: E402
 
 DEPTHS = (4, 14, 26)
 
 
 def compile_seconds(overrides: list[str], layers: int) -> float:
     cfg = cli.compose([*overrides, f"model.num_layers={layers}"])
-    setup = build_setup(cfg)
-    batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
-    step = jit_train_step(setup.spec, setup.optimizer, setup.schedule, setup.options,
-                          batch_sharding)
-    shape = (setup.batch.accum, setup.batch.rows, setup.batch.seq_len)
-    batch = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding)
-             for name, dtype in (("inputs", jnp.int32), ("targets", jnp.int32),
-                                 ("weights", jnp.float32))}
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         setup.spec.abstract, setup.spec.shardings)
+    setup = Setup.create(cfg)
     best = float("inf")
     for _ in range(2):
         jax.clear_caches()
         start = time.perf_counter()
-        step.lower(state, batch).compile()
+        setup.compile_train_step()
         best = min(best, time.perf_counter() - start)
     return best
 

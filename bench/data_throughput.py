@@ -19,11 +19,8 @@ import time
 import jax
 
 from tunix_train import cli
-from tunix_train.parallel import sharding
-from tunix_train.training import state as state_lib
 from tunix_train.data import pipeline
-from tunix_train.training.run import build_setup
-from tunix_train.training.train_step import jit_train_step
+from tunix_train.training.setup import Setup
 
 PIPELINE_WARMUP, PIPELINE_STEPS = 5, 200
 STEP_WARMUP, STEPS = 2, 10
@@ -39,10 +36,9 @@ def pipeline_seconds_per_batch(data: pipeline.Data) -> float:
     return (time.perf_counter() - start) / PIPELINE_STEPS
 
 
-def step_seconds(setup, cfg, batch, batch_sharding) -> float:
-    step = jit_train_step(setup.spec, setup.optimizer, setup.schedule, setup.options,
-                          batch_sharding)
-    state = state_lib.init(cfg, setup.spec, setup.optimizer)
+def step_seconds(setup: Setup, batch: pipeline.Batch) -> float:
+    step = setup.train_step()
+    state = setup.fresh_state()
     for _ in range(STEP_WARMUP):
         state, metrics = step(state, batch)
     jax.block_until_ready(metrics)
@@ -55,13 +51,12 @@ def step_seconds(setup, cfg, batch, batch_sharding) -> float:
 
 def main(overrides: list[str]) -> dict:
     cfg = cli.compose(overrides)
-    setup = build_setup(cfg)
-    batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
-    data = pipeline.build(cfg.data, cfg.model, cfg.training.seed, setup.batch, batch_sharding)
+    setup = Setup.create(cfg)
+    data = setup.open_data()
     per_batch = pipeline_seconds_per_batch(data)
     batch = next(data.train)
     data.close()
-    per_step = step_seconds(setup, cfg, batch, batch_sharding)
+    per_step = step_seconds(setup, batch)
     tokens = setup.tokens_per_step
     result = {
         "ratio": round(per_step / per_batch, 2),

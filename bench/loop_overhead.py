@@ -22,14 +22,10 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from tunix_train import cli
-from tunix_train.parallel import sharding
-from tunix_train.training import state as state_lib
-from tunix_train.training.run import build_setup
-from tunix_train.training.train_step import jit_train_step
+from tunix_train.training.setup import Setup
 
 ROUNDS, STEPS_PER_ROUND, WARMUP = 5, 8, 3
 
@@ -51,16 +47,10 @@ def pass_through(inner, max_consecutive_errors):
 
 def stepper(overrides: list[str]):
     cfg = cli.compose(overrides)
-    setup = build_setup(cfg)
-    batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(3, 259, (setup.batch.accum, setup.batch.rows, setup.batch.seq_len + 1),
-                          np.int32)
-    batch = jax.device_put({"inputs": tokens[..., :-1], "targets": tokens[..., 1:],
-                            "weights": np.ones(tokens[..., 1:].shape, np.float32)}, batch_sharding)
-    step = jit_train_step(setup.spec, setup.optimizer, setup.schedule, setup.options,
-                          batch_sharding)
-    state = [state_lib.init(cfg, setup.spec, setup.optimizer)]
+    setup = Setup.create(cfg)
+    batch = setup.random_batch()
+    step = setup.train_step()
+    state = [setup.fresh_state()]
 
     def run(steps: int, one_late: bool) -> float:
         start, previous = time.perf_counter(), None

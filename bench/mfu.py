@@ -3,7 +3,7 @@
     python bench/mfu.py model=gemma3_1b data.seq_len=2048 training.mixed_precision=bf16 \\
         training.micro_batch_size=4 'model.mesh_shape=[[-1,1],["fsdp","tp"]]'
 
-Any run_training.py override is accepted. The step is the framework's own (`jit_train_step`),
+Any run_training.py override is accepted. The step is the framework's own (`Setup.train_step`),
 fed one fixed batch already on the devices, so the number is the step's speed alone. The batch
 is a real one from the configured data (packed documents, so attention carries document
 masks); `MFU_BATCH=random` uses unpacked random tokens instead (no masks).
@@ -26,24 +26,18 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tunix_train import cli  # noqa: E402
-from tunix_train.analysis import flops
-from tunix_train.parallel import sharding
-from tunix_train.data import pipeline  # noqa: E402
-from tunix_train.training import state as state_lib  # noqa: E402
-from tunix_train.training.run import build_setup  # noqa: E402
-from tunix_train.training.train_step import jit_train_step  # noqa: E402
+from tunix_train.analysis import flops  # noqa: E402
+from tunix_train.training.setup import Setup  # noqa: E402
 
 WARMUP, ROUNDS, STEPS_PER_ROUND = 3, 5, 5
 
 
 def main(overrides: list[str]) -> dict:
     cfg = cli.compose(overrides)
-    setup = build_setup(cfg)
-    batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
-    batch = _batch(cfg, setup, batch_sharding)
-    step = jit_train_step(setup.spec, setup.optimizer, setup.schedule, setup.options,
-                          batch_sharding)
-    state = state_lib.init(cfg, setup.spec, setup.optimizer)
+    setup = Setup.create(cfg)
+    batch = _batch(setup)
+    step = setup.train_step()
+    state = setup.fresh_state()
     start = time.perf_counter()
     compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - start
@@ -63,17 +57,13 @@ def main(overrides: list[str]) -> dict:
     return report(cfg, setup, step_s, compile_s, cudnn)
 
 
-def _batch(cfg, setup, batch_sharding):
-    if os.environ.get("MFU_BATCH", "data") == "data":
-        data = pipeline.build(cfg.data, cfg.model, cfg.training.seed, setup.batch, batch_sharding)
-        batch = next(data.train)
-        data.close()
-        return batch
-    shape = (setup.batch.accum, setup.batch.rows, setup.batch.seq_len + 1)
-    tokens = np.random.default_rng(0).integers(3, cfg.model.vocab_size, shape, np.int32)
-    return jax.device_put({"inputs": tokens[..., :-1], "targets": tokens[..., 1:],
-                           "weights": np.ones(tokens[..., 1:].shape, np.float32)},
-                          batch_sharding)
+def _batch(setup: Setup):
+    if os.environ.get("MFU_BATCH", "data") != "data":
+        return setup.random_batch()
+    data = setup.open_data()
+    batch = next(data.train)
+    data.close()
+    return batch
 
 
 def report(cfg, setup, step_s: float, compile_s: float, cudnn_attention: bool) -> dict:

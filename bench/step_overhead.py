@@ -18,15 +18,11 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
 from tunix_train import cli
-from tunix_train.parallel import sharding
-from tunix_train.training import state as state_lib
-from tunix_train.training.run import build_setup
-from tunix_train.training.train_step import jit_train_step
+from tunix_train.training.setup import Setup
 
 ROUNDS, STEPS_PER_ROUND, WARMUP = 5, 4, 2
 
@@ -34,11 +30,11 @@ ROUNDS, STEPS_PER_ROUND, WARMUP = 5, 4, 2
 def hand_written_step(graphdef, optimizer, compute_dtype):
     """What a user would write by hand: mean cross-entropy, grad, optax update. Nothing else."""
 
-    def step(params, opt_state, tokens):
+    def step(params, opt_state, inputs, targets):
         def loss_fn(p):
             p = jax.tree.map(lambda x: x.astype(compute_dtype), p)
-            logits = nnx.merge(graphdef, p)(tokens[:, :-1]).astype(jnp.float32)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+            logits = nnx.merge(graphdef, p)(inputs).astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -57,30 +53,24 @@ def timed(fn, steps: int) -> float:
 
 def main(overrides: list[str]) -> dict:
     cfg = cli.compose(overrides)
-    setup = build_setup(cfg)
+    setup = Setup.create(cfg)
     assert setup.batch.accum == 1, "compare without accumulation: the hand-written step has none"
-    batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(3, 259, (1, setup.batch.rows, setup.batch.seq_len + 1), np.int32)
-    batch = jax.device_put({"inputs": tokens[..., :-1], "targets": tokens[..., 1:],
-                            "weights": np.ones(tokens[..., 1:].shape, np.float32)}, batch_sharding)
+    batch = setup.random_batch()
 
-    framework = jit_train_step(setup.spec, setup.optimizer, setup.schedule, setup.options,
-                               batch_sharding)
-    fw_state = [state_lib.init(cfg, setup.spec, setup.optimizer)]
+    framework = setup.train_step()
+    fw_state = [setup.fresh_state()]
 
     def framework_step():
         fw_state[0], metrics = framework(fw_state[0], batch)
         return metrics["loss"]
 
-    hand = hand_written_step(setup.spec.graphdef, setup.optimizer, setup.options.compute_dtype)
-    init = state_lib.init(cfg, setup.spec, setup.optimizer)
+    hand = hand_written_step(setup.params.graphdef, setup.optimizer, setup.options.compute_dtype)
+    init = setup.fresh_state()
     hw_state = [init["params"], init["opt_state"]]
-    hw_tokens = jax.device_put(tokens[0], sharding.batch_sharding(setup.mesh,
-                                                                  dict(setup.plan.params)))
+    hw_batch = batch["inputs"][0], batch["targets"][0]  # [B, L], rows sharded as the framework's
 
     def hand_step():
-        hw_state[0], hw_state[1], loss = hand(hw_state[0], hw_state[1], hw_tokens)
+        hw_state[0], hw_state[1], loss = hand(hw_state[0], hw_state[1], *hw_batch)
         return loss
 
     for fn in (framework_step, hand_step):

@@ -20,9 +20,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers import compose_config  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from tunix_train.parallel import distributed  # noqa: E402
-from tunix_train.parallel import sharding  # noqa: E402
-from tunix_train.data import pipeline, sources  # noqa: E402
-from tunix_train.training.run import build_setup  # noqa: E402
+from tunix_train.data import sources  # noqa: E402
+from tunix_train.training.setup import Setup  # noqa: E402
 
 
 def _record_reads(read: list[str]) -> None:
@@ -44,9 +43,7 @@ def main(out: Path, count: int, restore: Path, overrides: list[str]) -> None:
     distributed.initialize(cfg.distributed)
     read: list[str] = []
     _record_reads(read)
-    setup = build_setup(cfg)
-    batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
-    data = pipeline.build(cfg.data, cfg.model, cfg.training.seed, setup.batch, batch_sharding)
+    data = Setup.create(cfg).open_data()
     batches = [_global(next(data.train)) for _ in range(count)]
     state = data.train.get_state()  # collective: every process calls it
     batches.append(_global(next(data.train)))
@@ -59,7 +56,7 @@ def main(out: Path, count: int, restore: Path, overrides: list[str]) -> None:
     np.savez(out / f"rank{rank}.npz", **arrays)
     # Held-out documents are few and shared by all rows of the evaluation batches: count only
     # training documents.
-    held_out = {f.name for f in sources.load(cfg.data, cfg.model.vocab_size).validation.files}
+    held_out = {f.name for f in sources.open_corpus(cfg.data, cfg.model.vocab_size).validation.files}
     read = {piece for piece in read if piece.split("@")[0] not in held_out}
     (out / f"rank{rank}.json").write_text(json.dumps(
         {"state": state, "read": sorted(read), "streams": data.train.streams,

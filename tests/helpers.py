@@ -11,12 +11,8 @@ import numpy as np
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from tunix_train.training import state as state_lib
-from tunix_train.parallel import sharding
 from tunix_train.config import Config, register_configs
-from tunix_train.training.run import build_setup
-from tunix_train.data import pipeline
-from tunix_train.training.train_step import jit_train_step
+from tunix_train.training.setup import Setup
 
 REPO = Path(__file__).resolve().parent.parent
 register_configs()
@@ -41,12 +37,9 @@ def mesh_arg(fsdp: int, tp: int) -> str:
 
 def train_losses(cfg: Config, steps: int, devices=None) -> tuple[np.ndarray, dict]:
     """Per-step losses of `steps` steps of the real jitted step; also returns the final state."""
-    setup = build_setup(cfg, devices)
-    batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
-    data = pipeline.build(cfg.data, cfg.model, cfg.training.seed, setup.batch, batch_sharding)
-    state = state_lib.init(cfg, setup.spec, setup.optimizer)
-    step_fn = jit_train_step(setup.spec, setup.optimizer, setup.schedule, setup.options,
-                             batch_sharding)
+    setup = Setup.create(cfg, devices)
+    data = setup.open_data()
+    state, step_fn = setup.fresh_state(), setup.train_step()
     losses = []
     for _ in range(steps):
         state, metrics = step_fn(state, next(data.train))
@@ -80,21 +73,18 @@ def start_cli(args: list[str], cwd: Path, env_extra: dict | None = None,
 
 
 def compiled_run(cfg: Config, steps: int, devices=None):
-    """The step compiled ahead of time as a run compiles it, its analysis, and `steps` losses.
+    """The step compiled ahead of time as a run compiles it, its costs, and `steps` losses.
 
-    Returns (setup, analysis, losses, final state)."""
-    from tunix_train.analysis import costs
-
-    setup = build_setup(cfg, devices)
-    batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
-    compiled = costs.compile_step(setup, batch_sharding)
-    analysis = costs.analyse(setup, compiled)
+    Returns (setup, costs, losses, final state)."""
+    setup = Setup.create(cfg, devices)
+    compiled = setup.compile_train_step()
+    costs = setup.analyse(compiled)
     losses, state = [], None
     if steps:
-        data = pipeline.build(cfg.data, cfg.model, cfg.training.seed, setup.batch, batch_sharding)
-        state = state_lib.init(cfg, setup.spec, setup.optimizer)
+        data = setup.open_data()
+        state = setup.fresh_state()
         for _ in range(steps):
             state, metrics = compiled(state, next(data.train))
             losses.append(float(metrics["loss"]))
         data.close()
-    return setup, analysis, np.array(losses), state
+    return setup, costs, np.array(losses), state

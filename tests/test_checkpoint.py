@@ -32,7 +32,7 @@ CONFIG = {"model": {k: getattr(MODEL, k) for k in checkpoint.SHAPE_KEYS}}
 
 
 def make_mesh(fsdp: int, tp: int):
-    return mesh_lib.build(mesh_lib.parse([[fsdp, tp], ["fsdp", "tp"]], 8), jax.devices())
+    return mesh_lib.create_mesh(mesh_lib.parse([[fsdp, tp], ["fsdp", "tp"]], 8), jax.devices())
 
 
 def shardings(mesh):
@@ -151,7 +151,7 @@ def test_a_path_without_checkpoints_is_a_config_error(tmp_path):
 
 def test_non_finite_gradients_leave_params_and_moments_untouched():
     cfg = compose_config().optimizer
-    optimizer = optim.build(cfg, total_steps=10)
+    optimizer = optim.adamw(cfg, total_steps=10)
     params = {"w": jnp.ones((4, 4)), "scale": jnp.ones(4)}
     opt_state = optimizer.init(params)
     good = jax.tree.map(jnp.ones_like, params)

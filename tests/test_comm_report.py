@@ -14,7 +14,7 @@ from tunix_train.parallel import mesh as mesh_lib
 
 @pytest.fixture(scope="module")
 def mesh_2x4():
-    return mesh_lib.build(mesh_lib.parse([[2, 4], ["fsdp", "tp"]], 8))
+    return mesh_lib.create_mesh(mesh_lib.parse([[2, 4], ["fsdp", "tp"]], 8))
 
 
 @pytest.mark.parametrize("attrs", [
@@ -38,7 +38,7 @@ def test_groups_spanning_both_axes_and_permutes(mesh_2x4):
 
 def test_collectives_inside_loops_count_once_per_trip():
     """A scan of 5 all-reduces and a bf16 reduce-scatter, compiled on 8 CPU devices."""
-    mesh = mesh_lib.build(mesh_lib.parse([[8, 1], ["fsdp", "tp"]], 8))
+    mesh = mesh_lib.create_mesh(mesh_lib.parse([[8, 1], ["fsdp", "tp"]], 8))
 
     def per_device(x):
         step = lambda c, _: (c + jax.lax.psum(c, "fsdp") * 0.5, None)  # noqa: E731
@@ -49,7 +49,7 @@ def test_collectives_inside_loops_count_once_per_trip():
     fn = jax.shard_map(per_device, mesh=mesh, in_specs=P("fsdp"),
                        out_specs=(P("fsdp"), P("fsdp")))
     x = jax.ShapeDtypeStruct((8, 64, 32), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
-    report = comm_report.build(hlo.parse(jax.jit(fn).lower(x).compile().as_text()), mesh)
+    report = comm_report.from_hlo(hlo.parse(jax.jit(fn).lower(x).compile().as_text()), mesh)
     assert report.total(kind="all-reduce", axis="fsdp") == (5, 5 * 64 * 32 * 4)
     [scatter] = [c for c in report.collectives if c.kind == "reduce-scatter"]
     assert (scatter.dtype, scatter.count, scatter.bytes) == ("bf16", 1, 64 * 32 * 2)

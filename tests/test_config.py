@@ -4,7 +4,7 @@ from hydra.errors import ConfigCompositionException
 from helpers import compose_config
 from tunix_train import config as config_lib
 from tunix_train.config import ConfigError
-from tunix_train.training.run import batch_shape
+from tunix_train.training.setup import batch_shape
 
 
 def test_defaults_compose_into_the_typed_schema():
@@ -49,9 +49,9 @@ def test_validation_names_the_key(override, match):
 def test_global_batch_must_divide_over_fsdp_and_accumulation():
     cfg = compose_config("training.global_batch_size=10", "training.gradient_accumulation_steps=2")
     with pytest.raises(ConfigError, match=r"global_batch_size=10 does not divide over fsdp=4"):
-        batch_shape(cfg, fsdp=4)
+        batch_shape(cfg.training, cfg.data.seq_len, fsdp_size=4)
     cfg = compose_config("training.global_batch_size=16", "training.gradient_accumulation_steps=2")
-    assert batch_shape(cfg, fsdp=4).rows == 8  # micro 2 × fsdp 4
+    assert batch_shape(cfg.training, cfg.data.seq_len, fsdp_size=4).rows == 8  # micro 2 × fsdp 4
 
 
 def test_an_installed_package_carries_every_config_file():

@@ -11,13 +11,11 @@ from flax import nnx
 
 from helpers import REPO, TINY, compose_config, mesh_arg, run_cli
 from tunix_train import config as config_lib
-from tunix_train.parallel import sharding
-from tunix_train.training import state as state_lib
 from tunix_train.config import ConfigError
-from tunix_train.data import demo, pipeline
+from tunix_train.data import demo
 from tunix_train.models.gemma3 import Gemma3
-from tunix_train.training.run import build_setup
-from tunix_train.training.train_step import jit_eval_step, jit_train_step
+from tunix_train.training.setup import Setup
+from tunix_train.training.train_step import jit_eval_step
 
 ROWS = 4
 STEPS = 30  # enough for the held-out loss to fall clearly from its initial ~ln(vocab)
@@ -36,9 +34,7 @@ def _cfg(*overrides):
 
 
 def _build(cfg, devices=None):
-    setup = build_setup(cfg, devices or jax.devices()[:1])
-    batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
-    return pipeline.build(cfg.data, cfg.model, cfg.training.seed, setup.batch, batch_sharding)
+    return Setup.create(cfg, devices or jax.devices()[:1]).open_data()
 
 
 def _host(batch):
@@ -63,17 +59,15 @@ SOURCES = {
 def trainer():
     """One compiled step for every source: they share the model, batch shape and vocabulary."""
     cfg = _cfg()
-    setup = build_setup(cfg, jax.devices()[:1])
-    batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
-    step = jit_train_step(setup.spec, setup.optimizer, setup.schedule, setup.options,
-                          batch_sharding)
-    eval_step = jit_eval_step(setup.spec, setup.options, batch_sharding)
+    setup = Setup.create(cfg, jax.devices()[:1])
+    step = setup.train_step()
+    eval_step = jit_eval_step(setup.state, setup.options, setup.batch_sharding)
 
     def evaluate(params, batches):
         sums = jax.device_get([eval_step(params, b) for b in batches])
         return sum(float(s[0]) for s in sums) / sum(float(s[1]) for s in sums)
 
-    return step, evaluate, state_lib.init(cfg, setup.spec, setup.optimizer)
+    return step, evaluate, setup.fresh_state()
 
 
 @pytest.mark.parametrize("source", SOURCES)

@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 from helpers import REPO, TINY, compose_config
-from tunix_train.parallel import sharding
-from tunix_train.data import demo, pipeline
-from tunix_train.training.run import build_setup
+from tunix_train.data import demo
+from tunix_train.training.setup import Setup
 
 pytestmark = pytest.mark.slow
 BATCHES = 3  # batches before the state is taken
@@ -29,9 +28,7 @@ def _overrides(corpus):
 def _one_process(overrides, restore=None):
     """(BATCHES + 1 batches, state after BATCHES, next batch after restoring `restore`)."""
     cfg = compose_config(*overrides)
-    setup = build_setup(cfg, jax.devices()[:4])
-    batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
-    data = pipeline.build(cfg.data, cfg.model, cfg.training.seed, setup.batch, batch_sharding)
+    data = Setup.create(cfg, jax.devices()[:4]).open_data()
     host = lambda b: {k: np.asarray(v) for k, v in b.items()}  # noqa: E731
     batches = [host(next(data.train)) for _ in range(BATCHES)]
     state = json.loads(json.dumps(data.train.get_state()))

@@ -76,3 +76,12 @@ def test_monitoring_guide_run_and_script_work(tmp_path, monkeypatch, capsys):
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith("loss ") and " -> " in printed[0]
     assert [step for step, _ in eval(printed[1])] == [2, 4]  # train/loss as TensorBoard reads it
+
+
+def test_models_guide_sampler_snippet_runs():
+    page = REPO / "docs" / "models.md"
+    [script] = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+    scope: dict = {}
+    exec(compile(script, str(page), "exec"), scope)
+    assert [len(c) for c in scope["completions"]] == [8, 8]
+    assert all(0 <= i < 512 for c in scope["completions"] for i in c)

@@ -18,8 +18,8 @@ GRADIENT_HEAVY = [*TINY, "model.hidden_dim=2048", "model.num_layers=13", "data.s
 
 
 def _whole_unreduced_gradient(setup) -> int:
-    plan = setup.options.gradients
-    return fsdp.local_gradient_bytes(plan, setup.spec.abstract["params"],
+    plan = setup.options.sync
+    return fsdp.local_gradient_bytes(plan, setup.params.abstract,
                                           setup.options.compute_dtype)
 
 

@@ -9,7 +9,7 @@ from flax import nnx
 from helpers import TINY, compose_config, mesh_arg
 from tunix_train.models.gemma3 import Gemma3
 from tunix_train.inference.sampler import Sampler, SamplingOptions, left_pad, sample, _stop_at_eos
-from tunix_train.training.run import build_setup
+from tunix_train.training.setup import Setup
 
 NEW = 24
 # Longer than the window (16), shorter, and a single token: ragged rows of one batch.
@@ -28,9 +28,9 @@ def varied(params, seed=1):
 @pytest.fixture(scope="module")
 def model():
     cfg = compose_config(*TINY, mesh_arg(2, 4))
-    setup = build_setup(cfg)
+    setup = Setup.create(cfg)
     params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(Gemma3(cfg.model, rngs=nnx.Rngs(0)))))()
-    return cfg, setup, setup.spec.graphdef, varied(params)
+    return cfg, setup, setup.params.graphdef, varied(params)
 
 
 def full_recompute_greedy(graphdef, params, prompt, new, length=64):
@@ -48,9 +48,9 @@ def full_recompute_greedy(graphdef, params, prompt, new, length=64):
 
 def test_cached_greedy_equals_full_recomputation_on_a_sharded_batch(model):
     cfg, setup, graphdef, params = model
-    sharded = jax.device_put(params, setup.spec.shardings["params"])
-    sampler = Sampler(graphdef, setup.spec.shardings["params"], SamplingOptions(NEW),
-                      jnp.float32, setup.mesh, setup.plan.params)
+    sharded = jax.device_put(params, setup.params.shardings)
+    sampler = Sampler(graphdef, setup.params.shardings, SamplingOptions(NEW),
+                      jnp.float32, setup.mesh, setup.params.rules.params)
     got = sampler(sharded, PROMPTS)
     for prompt, row in zip(PROMPTS, got):
         assert row == full_recompute_greedy(graphdef, params, prompt, NEW)

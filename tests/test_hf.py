@@ -18,7 +18,7 @@ from tunix_train.config import ConfigError  # noqa: E402
 from tunix_train.export import export  # noqa: E402
 from tunix_train.inference.sampler import Sampler, SamplingOptions  # noqa: E402
 from tunix_train.models import hf_weights  # noqa: E402
-from tunix_train.training.run import build_setup  # noqa: E402
+from tunix_train.training.setup import Setup  # noqa: E402
 
 SEQ = 40  # > sliding_window (8): local layers really slide
 
@@ -38,14 +38,14 @@ def imported(path, fsdp=1, tp=1, *extra):
     """(setup, params) of the checkpoint at `path` on the first fsdp × tp devices."""
     cfg = cli.compose([f"model.init_from=hf:{path}", mesh_arg(fsdp, tp),
                        "training.mixed_precision=fp32", *extra])
-    setup = build_setup(cfg, jax.devices()[: fsdp * tp])
-    params = hf_weights.load_init_from(cfg.model, setup.spec.abstract["params"],
-                                       setup.spec.shardings["params"])
+    setup = Setup.create(cfg, jax.devices()[: fsdp * tp])
+    params = hf_weights.load_init_from(cfg.model, setup.params.abstract,
+                                       setup.params.shardings)
     return setup, params
 
 
 def our_logits(setup, params, tokens):
-    return np.asarray(nnx.merge(setup.spec.graphdef, params)(jax.numpy.asarray(tokens)))
+    return np.asarray(nnx.merge(setup.params.graphdef, params)(jax.numpy.asarray(tokens)))
 
 
 @pytest.fixture(scope="module")
@@ -152,12 +152,11 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
 
 
 def test_training_starts_from_the_imported_weights(reference, single_device):
-    from tunix_train.training import state as state_lib
 
     cfg = cli.compose([f"model.init_from=hf:{reference[0]}", mesh_arg(8, 1), "data.seq_len=32",
                        "training.mixed_precision=fp32"])
-    setup = build_setup(cfg)
-    state = state_lib.init(cfg, setup.spec, setup.optimizer)
+    setup = Setup.create(cfg)
+    state = setup.fresh_state()
     expected = single_device[1]
     for got, want in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(expected)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -166,8 +165,8 @@ def test_training_starts_from_the_imported_weights(reference, single_device):
 
 def test_cached_greedy_generation_equals_transformers_generate(reference, single_device):
     setup, params = single_device
-    sampler = Sampler(setup.spec.graphdef, setup.spec.shardings["params"], SamplingOptions(20),
-                      jnp.float32, setup.mesh, setup.plan.params)
+    sampler = Sampler(setup.params.graphdef, setup.params.shardings, SamplingOptions(20),
+                      jnp.float32, setup.mesh, setup.params.rules.params)
     prompts = [[5, 6, 7, 100, 200, 33, 2, 9, 10, 11, 12], [300, 1]]  # one longer than the window
     got = sampler(params, prompts)
     assert len(set(got[0])) > 4  # not a degenerate repetition

@@ -24,12 +24,12 @@ def test_malformed_mesh_shapes_are_config_errors(bad):
 
 
 def test_mesh_has_auto_axes_and_tp_is_the_fast_axis():
-    mesh = mesh_lib.build(mesh_lib.parse([[4, 2], ["fsdp", "tp"]], 8))
+    mesh = mesh_lib.create_mesh(mesh_lib.parse([[4, 2], ["fsdp", "tp"]], 8))
     assert dict(mesh.shape) == {"fsdp": 4, "tp": 2}
     assert all(t == AxisType.Auto for t in mesh.axis_types)
     assert sorted(d.id for d in mesh.devices.flat) == [d.id for d in jax.devices()]
 
 
 def test_axis_order_may_be_swapped():
-    mesh = mesh_lib.build(mesh_lib.parse([[2, 4], ["tp", "fsdp"]], 8))
+    mesh = mesh_lib.create_mesh(mesh_lib.parse([[2, 4], ["tp", "fsdp"]], 8))
     assert dict(mesh.shape) == {"tp": 2, "fsdp": 4}

@@ -11,7 +11,7 @@ import pytest
 
 from helpers import REPO, TINY, compose_config, mesh_arg, run_cli
 from tunix_train.training import state as state_lib
-from tunix_train.training.run import build_setup
+from tunix_train.training.setup import Setup
 
 pytestmark = pytest.mark.slow
 MODEL = [*TINY, mesh_arg(4, 2), "training.micro_batch_size=2"]
@@ -35,8 +35,8 @@ def test_planner_simulates_the_mesh_and_matches_a_real_allocation(tmp_path):
     assert {"kind", "axis", "count", "bytes"} <= set(record["collectives"][0])
     # The same configuration, really allocated here (conftest's 8 CPU devices).
     cfg = compose_config(*MODEL)
-    setup = build_setup(cfg)
-    params = state_lib.init(cfg, setup.spec, setup.optimizer)["params"]
+    setup = Setup.create(cfg)
+    params = setup.fresh_state()["params"]
     assert record["num_params"] == sum(x.size for x in jax.tree.leaves(params))
     assert record["per_device_bytes"]["params"] == state_lib.param_bytes(params)[1]
 

@@ -7,7 +7,7 @@ from tunix_train.parallel import mesh as mesh_lib
 from tunix_train.parallel import sharding
 from tunix_train.training import state as state_lib
 from tunix_train.config import ConfigError
-from tunix_train.training.run import build_setup
+from tunix_train.training.setup import Setup
 
 
 def _sharded_over(leaf, axis: str) -> bool:
@@ -16,8 +16,8 @@ def _sharded_over(leaf, axis: str) -> bool:
 
 def test_fsdp_tp_mesh_shards_nearly_every_parameter_byte():
     cfg = compose_config(mesh_arg(4, 2), "training.micro_batch_size=2")  # gemma3_tiny itself
-    setup = build_setup(cfg)
-    params = state_lib.init(cfg, setup.spec, setup.optimizer)["params"]
+    setup = Setup.create(cfg)
+    params = setup.fresh_state()["params"]
     leaves = jax.tree.leaves(params)
     total = sum(x.nbytes for x in leaves)
     replicated_over_fsdp = sum(x.nbytes for x in leaves if not _sharded_over(x, "fsdp"))
@@ -30,8 +30,8 @@ def test_fsdp_tp_mesh_shards_nearly_every_parameter_byte():
 def test_zero_stage_below_3_replicates_parameters_but_not_optimizer_state():
     cfg = compose_config(*TINY, mesh_arg(8, 1), "training.micro_batch_size=1",
                          "training.zero_stage=1")
-    setup = build_setup(cfg)
-    state = state_lib.init(cfg, setup.spec, setup.optimizer)
+    setup = Setup.create(cfg)
+    state = setup.fresh_state()
     assert not any(_sharded_over(x, "fsdp") for x in jax.tree.leaves(state["params"]))
     moments = [x for x in jax.tree.leaves(state["opt_state"]) if x.ndim >= 2]
     sharded = sum(x.nbytes for x in moments if _sharded_over(x, "fsdp"))
@@ -40,20 +40,20 @@ def test_zero_stage_below_3_replicates_parameters_but_not_optimizer_state():
 
 def test_tp_must_divide_query_heads():
     cfg = compose_config(*TINY, "model.num_heads=6", "model.num_kv_heads=1")
-    mesh = mesh_lib.build(mesh_lib.parse([[2, 4], ["fsdp", "tp"]], 8))
+    mesh = mesh_lib.create_mesh(mesh_lib.parse([[2, 4], ["fsdp", "tp"]], 8))
     with pytest.raises(ConfigError, match=r"model.num_heads=6 is not divisible by tp=4"):
-        sharding.plan(cfg.model, mesh, 3)
+        sharding.stage_rules(cfg.model, mesh, 3)
 
 
 def test_single_kv_head_is_replicated_over_tp_not_an_error():
     cfg = compose_config(*TINY)
-    mesh = mesh_lib.build(mesh_lib.parse([[2, 4], ["fsdp", "tp"]], 8))
+    mesh = mesh_lib.create_mesh(mesh_lib.parse([[2, 4], ["fsdp", "tp"]], 8))
     rules = sharding.resolve_rules(cfg.model, mesh)
     assert rules["kv_heads"] is None and rules["q_heads"] == "tp"
 
 
 def test_rules_table_is_overridable_and_checked():
-    mesh = mesh_lib.build(mesh_lib.parse([[8, 1], ["fsdp", "tp"]], 8))
+    mesh = mesh_lib.create_mesh(mesh_lib.parse([[8, 1], ["fsdp", "tp"]], 8))
     cfg = compose_config(*TINY, "model.sharding_rules.embed=null")
     assert sharding.resolve_rules(cfg.model, mesh)["embed"] is None
     cfg = compose_config(*TINY, "+model.sharding_rules.bogus=fsdp")
@@ -66,7 +66,7 @@ def test_rules_table_is_overridable_and_checked():
 
 def test_batch_is_split_over_fsdp_and_replicated_over_tp():
     cfg = compose_config(*TINY, mesh_arg(4, 2), "training.micro_batch_size=2")
-    setup = build_setup(cfg)
-    batch = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
+    setup = Setup.create(cfg)
+    batch = setup.batch_sharding
     x = jax.device_put(np.zeros((1, 8, 32), np.int32), batch)
     assert {s.data.shape for s in x.addressable_shards} == {(1, 2, 32)}

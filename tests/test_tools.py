@@ -18,12 +18,11 @@ from helpers import REPO, TINY, compose_config, mesh_arg, run_cli
 from test_docs import DOCS, shown_commands, split_command
 from test_generate import full_recompute_greedy, varied
 from tunix_train import cli
-from tunix_train.training import state as state_lib
 from tunix_train.data import demo
 from tunix_train.data.tokenizer import SentencePieceTokenizer
 from tunix_train.export import export
 from tunix_train.generate import generate
-from tunix_train.training.run import build_setup
+from tunix_train.training.setup import Setup
 
 pytestmark = pytest.mark.slow
 EIGHT_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
@@ -36,16 +35,16 @@ def run_dir(tmp_path_factory):
 
 
 def save_run(run, cfg):
-    setup = build_setup(cfg)
-    state = state_lib.init(cfg, setup.spec, setup.optimizer)
-    state["params"] = jax.device_put(varied(state["params"]), setup.spec.shardings["params"])
+    setup = Setup.create(cfg)
+    state = setup.fresh_state()
+    state["params"] = jax.device_put(varied(state["params"]), setup.params.shardings)
     manager = ocp.CheckpointManager(run / "checkpoints", item_names=("state", "data", "config"))
     manager.save(5, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave({"next_step": 5}),
         config=ocp.args.JsonSave(dataclasses.asdict(cfg))))
     manager.wait_until_finished()
     manager.close()
-    return run, setup.spec.graphdef, jax.device_get(state["params"])
+    return run, setup.params.graphdef, jax.device_get(state["params"])
 
 
 def tool(name, args, cwd, check=True):
@@ -114,8 +113,8 @@ def test_an_imported_checkpoint_brings_its_own_tokenizer(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "tokenizer.json").write_text("{}")
     cfg = compose_config(f"model.init_from=hf:{tmp_path}")  # (dimensions are not read here)
-    assert weights.tokenizer_spec(cfg, chosen=False) == f"hf:{tmp_path / 'tokenizer.json'}"
-    assert weights.tokenizer_spec(cfg, chosen=True) == "byte"  # the command line wins
+    assert weights.tokenizer_source(cfg, chosen=False) == f"hf:{tmp_path / 'tokenizer.json'}"
+    assert weights.tokenizer_source(cfg, chosen=True) == "byte"  # the command line wins
 
 
 def test_export_from_a_run_loads_in_transformers(run_dir, exported):

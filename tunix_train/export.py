@@ -40,9 +40,9 @@ def export(cfg: Config, explicit: Iterable[str] = (), tokenizer_chosen: bool = F
         raise ConfigError(
             "nothing to export: set checkpoint.resume_from=<run dir> (or model.init_from=hf:<dir>)."
         )
-    spec = weights.tokenizer_spec(cfg, tokenizer_chosen)
-    tok = None if spec == "none" else tokenizer_lib.load(spec)  # a bad path fails before loading
-    cfg, _, params = weights.load(cfg, explicit)
+    source = weights.tokenizer_source(cfg, tokenizer_chosen)
+    tok = None if source == "none" else tokenizer_lib.open_tokenizer(source)  # fails before loading
+    cfg, _, params = weights.for_inference(cfg, explicit)
     host = _to_host(params)
     if jax.process_index() != 0:
         return []
@@ -55,7 +55,7 @@ def export(cfg: Config, explicit: Iterable[str] = (), tokenizer_chosen: bool = F
             if (origin / name).is_file():
                 shutil.copy2(origin / name, out / name)
     else:
-        _copy_tokenizer(spec, out)
+        _copy_tokenizer(source, out)
     log.info("exported %s to %s (%d safetensors file(s))", cfg.model.name, out, len(files))
     return files
 
@@ -77,9 +77,9 @@ def _token_ids(tok: tokenizer_lib.Tokenizer | None, origin: Path | None) -> dict
     return {k: v for k, v in ids.items() if v is not None}
 
 
-def _copy_tokenizer(spec: str, out: Path) -> None:
+def _copy_tokenizer(source: str, out: Path) -> None:
     """A file tokenizer goes into the folder under the name `transformers` looks for."""
-    kind, _, location = spec.partition(":")
+    kind, _, location = source.partition(":")
     path = Path(location).expanduser()
     if kind == "sentencepiece":
         shutil.copy2(path, out / "tokenizer.model")

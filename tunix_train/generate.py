@@ -16,13 +16,12 @@ from tunix_train.inference import weights
 from tunix_train.config import Config, ConfigError
 from tunix_train.data import tokenizer as tokenizer_lib
 from tunix_train.inference.sampler import Sampler, SamplingOptions
-from tunix_train.training.run import compute_dtype
 
 
 def tokenizer(cfg: Config, chosen: bool = False) -> tokenizer_lib.Tokenizer | None:
-    """The weights' tokenizer (see `weights.tokenizer_spec`); None for `data.tokenizer=none`."""
-    spec = weights.tokenizer_spec(cfg, chosen)
-    return None if spec == "none" else tokenizer_lib.load(spec)
+    """The weights' tokenizer (see `weights.tokenizer_source`); None for `data.tokenizer=none`."""
+    source = weights.tokenizer_source(cfg, chosen)
+    return None if source == "none" else tokenizer_lib.open_tokenizer(source)
 
 
 def prompt_ids(cfg: Config, tok: tokenizer_lib.Tokenizer | None) -> list[int]:
@@ -64,9 +63,9 @@ def generate(cfg: Config, explicit: Iterable[str] = (),
     tok = tokenizer(cfg, tokenizer_chosen)
     ids = prompt_ids(cfg, tok)
     sampling = options(cfg, tok)
-    cfg, setup, params = weights.load(cfg, explicit)
-    sampler = Sampler(setup.spec.graphdef, setup.spec.shardings["params"], sampling,
-                      compute_dtype(cfg.training.mixed_precision), setup.mesh, setup.plan.params)
+    cfg, layout, params = weights.for_inference(cfg, explicit)
+    sampler = Sampler(layout.graphdef, layout.shardings, sampling, layout.compute_dtype,
+                      layout.mesh, layout.rules.params)
     new = sampler(params, [ids], seed=cfg.generate.seed)[0]
     # Rows of a vocabulary padded beyond the tokenizer's have no text (an untrained model may
     # still pick them); `ids` keeps them.

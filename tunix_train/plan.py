@@ -29,6 +29,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from tunix_train import cli
+from tunix_train.parallel import mesh as mesh_lib
 from tunix_train.config import Config, ConfigError, register_configs
 
 log = logging.getLogger("tunix_train")
@@ -43,7 +44,7 @@ def num_devices(cfg: Config) -> int:
     """Devices to simulate: `plan.num_devices`, else the product of `model.mesh_shape`."""
     if cfg.plan.num_devices:
         return cfg.plan.num_devices
-    sizes = [int(s) for s in cfg.model.mesh_shape[0]]
+    sizes = [int(s) for s in (cfg.model.mesh_shape or mesh_lib.DEFAULT_SHAPE)[0]]
     if -1 in sizes:
         raise ConfigError(
             f"model.mesh_shape {sizes} has a -1 the planner cannot fill without devices; give "
@@ -74,81 +75,67 @@ def ensure_cpu_devices(count: int, run_dir: str) -> None:
 def plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
     """Compiles the configuration's train step on the available (simulated) devices."""
     from tunix_train import config as config_lib  # after the re-exec
-    from tunix_train.parallel import sharding
-    from tunix_train.analysis import costs
-    from tunix_train.training.run import build_setup
+    from tunix_train.training.setup import Setup
 
     config_lib.validate(cfg)
     if cfg.training.mixed_precision == "auto":
         cfg.training.mixed_precision = "bf16"  # what "auto" picks on the accelerators planned for
-    setup = build_setup(cfg)
+    setup = Setup.create(cfg)
     start = time.perf_counter()
-    batch_sharding = sharding.batch_sharding(setup.mesh, dict(setup.plan.params), leading=1)
-    compiled = costs.compile_step(setup, batch_sharding)
-    analysis = costs.analyse(setup, compiled)
-    return write(run_dir, setup, analysis, time.perf_counter() - start)
+    costs = setup.analyse(setup.compile_train_step())
+    return write(run_dir, setup, costs, time.perf_counter() - start)
 
 
-def write(run_dir: Path, setup, analysis, compile_s: float = 0.0) -> dict[str, Any]:
+def write(run_dir: Path, setup, costs, compile_s: float = 0.0) -> dict[str, Any]:
     """Prints the plan of an analysed step and writes it to `run_dir/plan.json`."""
-    record = _record(setup, analysis, compile_s)
-    for line in _summary(record, analysis):
+    record = _record(setup, costs, compile_s)
+    for line in _summary(record, costs):
         log.info(line)
     (run_dir / "plan.json").write_text(json.dumps(record, indent=1))
     log.info("wrote %s", run_dir / "plan.json")
     return record
 
 
-def _record(setup, analysis, compile_s: float) -> dict[str, Any]:
+def _record(setup, costs, compile_s: float) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
-    cfg, per_device = setup.cfg, analysis.per_device_bytes
+    cfg, per_device = setup.cfg, costs.per_device_bytes
     return {
         "model": cfg.model.name,
         "mesh": {name: int(size) for name, size in setup.mesh.shape.items()},
-        "num_params": sum(x.size for x in jax.tree.leaves(setup.spec.abstract["params"])),
+        "num_params": sum(x.size for x in jax.tree.leaves(setup.params.abstract)),
         "zero_stage": cfg.training.zero_stage,
         "compute_dtype": jnp.dtype(setup.options.compute_dtype).name,
         "sequences_per_step": setup.batch.sequences,
         "tokens_per_step": setup.tokens_per_step,
         "gradient_accumulation_steps": setup.batch.accum,
-        "sync_gradients_every": setup.options.gradients.sync_every,
+        "sync_gradients_every": setup.options.sync.sync_every,
         "per_device_bytes": per_device,
-        "xla_memory": analysis.xla_memory,
-        "flops_per_step": analysis.flops_per_step,
-        "collectives": [c.__dict__ for c in analysis.comm.collectives],
-        "gradient_reductions_per_step": analysis.comm.gradient_reductions_per_step,
+        "xla_memory": costs.xla_memory,
+        "flops_per_step": costs.flops_per_step,
+        "collectives": [c.__dict__ for c in costs.comm.collectives],
+        "gradient_reductions_per_step": costs.comm.gradient_reductions_per_step,
         "device_memory_gb": cfg.plan.device_memory_gb,
         "fits": per_device["total"] <= cfg.plan.device_memory_gb * GB,
         "compile_seconds": round(compile_s, 1),
     }
 
 
-def _summary(record: dict[str, Any], analysis) -> list[str]:
-    b = {k: v / GB for k, v in record["per_device_bytes"].items()}
-    x = {k: v / GB for k, v in record["xla_memory"].items()}
+def _summary(record: dict[str, Any], costs) -> list[str]:
     mesh = " × ".join(f"{k}={v}" for k, v in record["mesh"].items())
-    limit = record["device_memory_gb"]
-    verdict = (f"fits: {b['total']:.2f} GB of {limit:g} GB per device" if record["fits"] else
-               f"does NOT fit: {b['total']:.2f} GB > {limit:g} GB per device; raise fsdp or "
+    total, limit = record["per_device_bytes"]["total"] / GB, record["device_memory_gb"]
+    verdict = (f"fits: {total:.2f} GB of {limit:g} GB per device" if record["fits"] else
+               f"does NOT fit: {total:.2f} GB > {limit:g} GB per device; raise fsdp or "
                f"zero_stage, lower training.micro_batch_size, or set training.remat")
-    buffer = (f"; temporaries include a {b['grad_buffer']:.2f} GB unreduced gradient buffer "
-              f"(training.sync_gradients_every={record['sync_gradients_every']})"
-              if b["grad_buffer"] else "")
     return [
         f"plan: {record['model']} ({record['num_params']:,} parameters) on {mesh}, zero_stage "
         f"{record['zero_stage']}, compute {record['compute_dtype']}, "
         f"{record['tokens_per_step']:,} tokens per step (compiled in "
         f"{record['compile_seconds']} s)",
-        "per device (GB, XLA):  arguments  + outputs  - donated  + temporaries  =   total",
-        f"                       {x['arguments']:>9.2f}  {x['outputs']:>9.2f}  {x['aliased']:>9.2f}"
-        f"  {x['temp']:>12.2f}  {b['total']:>9.2f}",
-        f"  model state: params {b['params']:.2f} + optimizer {b['optimizer']:.2f} (arguments), "
-        f"grads {b['grads']:.2f} (temporaries){buffer}",
+        *costs.memory_lines("GB"), costs.sync_line(),
         f"FLOPs per step (all devices, as compiled): {record['flops_per_step']:.3e}",
-        "collectives per step, per device:",
-        *analysis.comm.table().splitlines(),
+        "collectives per step, per device:", *costs.comm.table().splitlines(),
         f"verdict: {verdict}",
     ]
 

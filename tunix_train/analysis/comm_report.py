@@ -132,7 +132,7 @@ def axes_of(groups: Iterable[Iterable[int]], mesh: Mesh) -> str:
 # ---------------------------------------------------------------------------------------------
 # The report.
 
-def build(module: hlo.Module, mesh: Mesh, gradient_bytes: float | None = None) -> CommReport:
+def from_hlo(module: hlo.Module, mesh: Mesh, gradient_bytes: float | None = None) -> CommReport:
     """The report of one compiled step (`hlo.parse(compiled.as_text())`). `gradient_bytes`:
     per-device bytes of one full gradient reduction; with it the report counts how many
     reductions over fsdp the step makes: the bytes of the gradient sync's fsdp reduce-scatters

@@ -75,12 +75,12 @@ class Data:
         self.train.close()
 
 
-def build(data: DataConfig, model: ModelConfig, seed: int, shape: BatchShape,
+def open_data(data: DataConfig, model: ModelConfig, seed: int, shape: BatchShape,
           sharding: NamedSharding) -> Data:
     """The training iterator and the evaluation batches of the configured source."""
     tokenizer = _tokenizer(data, model)
     bytes_per_token = 1 if isinstance(tokenizer, tokenizer_lib.ByteTokenizer) else 4
-    corpus = sources.load(data, model.vocab_size, bytes_per_token)
+    corpus = sources.open_corpus(data, model.vocab_size, bytes_per_token)
     features = packing.featurizer(corpus.kind, tokenizer)
     pad_id = tokenizer.pad_id if tokenizer is not None else 0
 
@@ -107,7 +107,7 @@ def _tokenizer(data: DataConfig, model: ModelConfig) -> tokenizer_lib.Tokenizer 
             raise ConfigError(f"data.tokenizer=none suits only data=tokens (ids already stored); "
                               f"data={data.name} needs byte, sentencepiece:<path> or hf:<path>.")
         return None
-    tokenizer = tokenizer_lib.load(data.tokenizer)
+    tokenizer = tokenizer_lib.open_tokenizer(data.tokenizer)
     tokenizer_lib.check_vocab(tokenizer, model.vocab_size)
     return tokenizer
 

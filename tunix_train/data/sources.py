@@ -39,7 +39,7 @@ class Corpus:
     kind: str  # "text" | "sft" | "tokens": how raw documents become features (see packing.py)
 
 
-def load(data: DataConfig, vocab_limit: int, bytes_per_token: int = 4) -> Corpus:
+def open_corpus(data: DataConfig, vocab_limit: int, bytes_per_token: int = 4) -> Corpus:
     """The configured source, split. `vocab_limit` bounds the ids a `tokens` file may hold;
     `bytes_per_token` (1 for the byte tokenizer, about 4 for subword ones) sizes text pieces."""
     if data.name not in SOURCES:

@@ -125,25 +125,25 @@ def _configured_specials(config_file: Path) -> dict[str, str]:
 _KINDS = {"sentencepiece": SentencePieceTokenizer, "hf": HuggingFaceTokenizer}
 
 
-def load(spec: str) -> Tokenizer:
+def open_tokenizer(source: str) -> Tokenizer:
     """`byte`, `sentencepiece:<path>` or `hf:<path>` → a tokenizer, or one clear ConfigError."""
-    if spec == "byte":
+    if source == "byte":
         return ByteTokenizer()
-    kind, _, location = spec.partition(":")
+    kind, _, location = source.partition(":")
     if kind not in _KINDS or not location:
         raise ConfigError(
-            f"data.tokenizer={spec!r} is not byte, sentencepiece:<model file> or "
+            f"data.tokenizer={source!r} is not byte, sentencepiece:<model file> or "
             f"hf:<tokenizer.json or its directory>."
         )
     path = Path(location).expanduser()
     if not path.exists():
-        raise ConfigError(f"data.tokenizer={spec!r}: {path} does not exist; fix the path.")
+        raise ConfigError(f"data.tokenizer={source!r}: {path} does not exist; fix the path.")
     try:
         return _KINDS[kind](path)
     except Exception as error:  # each library has its own error types for a bad file
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConfigError(
-            f"data.tokenizer={spec!r}: {path} cannot be read as a {kind} tokenizer ({reason}); "
+            f"data.tokenizer={source!r}: {path} cannot be read as a {kind} tokenizer ({reason}); "
             f"point it at a valid file."
         ) from error
 

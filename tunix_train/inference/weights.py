@@ -1,42 +1,57 @@
-"""Parameters for inference and export: from a run's checkpoint, a Hugging Face checkpoint, or
-(for trying things out) a fresh random initialisation — always created in their shardings."""
+"""Weights for inference and export, each array created in its sharding on the current mesh:
+a training run's checkpoint (`checkpoint.resume_from=<run dir>`), a Hugging Face checkpoint
+(`model.init_from=hf:<dir>`), or, for trying things out, a random initialisation."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Iterable
 
 import jax
-from flax import nnx
 
-from tunix_train import checkpoint, saved_run
+from tunix_train import checkpoint
 from tunix_train.config import Config, ModelConfig
-from tunix_train.models import hf_config, hf_weights
-from tunix_train.models.gemma3 import Gemma3
-from tunix_train.training.run import Setup, build_setup
+from tunix_train.models import hf_config
+from tunix_train.parallel import mesh as mesh_lib
+from tunix_train.parallel.layout import ParamLayout
 
 log = logging.getLogger("tunix_train")
 
+# Model keys that belong to the command at hand, not to the saved weights.
+_RUNTIME_KEYS = ("mesh_shape", "sharding_rules", "attention_impl")
 
-def load(cfg: Config, explicit: Iterable[str]) -> tuple[Config, Setup, Any]:
-    """(config with the weights' model dimensions, setup on the current mesh, parameters).
 
-    `checkpoint.resume_from=<run dir>` wins over `model.init_from`; with neither, the
-    parameters are the random initialisation of `training.seed`.
-    """
+def for_inference(cfg: Config, explicit: Iterable[str]) -> tuple[Config, ParamLayout, Any]:
+    """(config with the weights' model dimensions, their layout on the current mesh, the
+    parameters). `checkpoint.resume_from=<run dir>` wins over `model.init_from`; with neither,
+    the parameters are the random initialisation of `training.seed`."""
     if cfg.checkpoint.resume_from:
-        cfg.model = saved_run.model_config(cfg.checkpoint.resume_from, cfg.model, explicit)
-    setup = build_setup(cfg)
-    abstract, shardings = setup.spec.abstract["params"], setup.spec.shardings["params"]
+        cfg.model = saved_model_config(cfg.checkpoint.resume_from, cfg.model, explicit)
+    devices = jax.devices()
+    mesh = mesh_lib.create_mesh(mesh_lib.parse(cfg.model.mesh_shape, len(devices)), devices)
+    layout = ParamLayout.create(cfg.model, mesh, cfg.training.zero_stage,
+                                mixed_precision=cfg.training.mixed_precision)
     if cfg.checkpoint.resume_from:
         log.info("loading parameters from %s", cfg.checkpoint.resume_from)
-        return cfg, setup, saved_run.load_params(cfg.checkpoint.resume_from, abstract, shardings)
-    if cfg.model.init_from:
-        return cfg, setup, hf_weights.load_init_from(cfg.model, abstract, shardings)
-    log.warning("neither checkpoint.resume_from nor model.init_from is set: using random weights")
-    make = lambda: nnx.to_pure_dict(nnx.state(Gemma3(cfg.model, rngs=nnx.Rngs(cfg.training.seed))))  # noqa: E731
-    return cfg, setup, jax.jit(make, out_shardings=shardings)()
+        return cfg, layout, checkpoint.load_params(cfg.checkpoint.resume_from, layout.abstract,
+                                                    layout.shardings)
+    if not cfg.model.init_from:
+        log.warning("neither checkpoint.resume_from nor model.init_from is set: using random "
+                    "weights")
+    return cfg, layout, layout.initial_params(cfg.training.seed)
+
+
+def saved_model_config(run_dir: str | Path, current: ModelConfig,
+                       explicit: Iterable[str]) -> ModelConfig:
+    """The saved run's model (newest committed step), placed on the current command's mesh."""
+    saved = checkpoint.saved_config(run_dir)
+    fields = {f.name for f in dataclasses.fields(ModelConfig)} - set(_RUNTIME_KEYS)
+    model = {k: v for k, v in saved["model"].items() if k in fields}
+    # `init_from` stays as a record of where the weights first came from (export copies that
+    # checkpoint's tokenizer); the weights themselves are read from this run.
+    return hf_config.adopt(current, model, explicit, f"the checkpoint of {run_dir}")
 
 
 def hf_origin(model: ModelConfig) -> Path | None:
@@ -48,7 +63,7 @@ def hf_origin(model: ModelConfig) -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
-def tokenizer_spec(cfg: Config, chosen: bool) -> str:
+def tokenizer_source(cfg: Config, chosen: bool) -> str:
     """The `data.tokenizer` the weights go with: the command line's when `chosen` there, else
     the saved run's (`checkpoint.resume_from`), else an imported checkpoint's own tokenizer file,
     else the config's."""

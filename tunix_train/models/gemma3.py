@@ -20,7 +20,7 @@ from tunix_train.models import kv_cache
 from tunix_train.models.head import VocabChunks
 from tunix_train.models.layers import DecoderLayer, Embedder, RMSNorm, rope_tables
 from tunix_train.models.params import materialize, never_saving_materialized
-from tunix_train.parallel.sharding import constrain
+from tunix_train.models.partitioning import constrain
 
 # What the backward pass keeps of a layer's forward (`training.remat`). None of them keeps the
 # layer's materialized parameters (models/params.py): FSDP gathers them again instead.

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from tunix_train.models.params import materialize, never_saving_materialized
-from tunix_train.parallel.sharding import constrain
+from tunix_train.models.partitioning import constrain
 
 
 @dataclass(frozen=True)

@@ -153,10 +153,10 @@ def load_init_from(model: ModelConfig, abstract_params: Any, shardings: Any) -> 
 
     path = checkpoint_dir(model.init_from)
     log.info("loading Hugging Face weights from %s", path)
-    return load(path, model, abstract_params, shardings)
+    return read_params(path, model, abstract_params, shardings)
 
 
-def load(path: Path, model: ModelConfig, abstract_params: Any, shardings: Any) -> Any:
+def read_params(path: Path, model: ModelConfig, abstract_params: Any, shardings: Any) -> Any:
     """Parameters read from the checkpoint at `path`, each created directly in its sharding."""
     sources: dict[tuple, list] = {}
     for name, leaf, layout, index in hf_tensors(model, prefix=""):

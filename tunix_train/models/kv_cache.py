@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from tunix_train.parallel.sharding import constrain
+from tunix_train.models.partitioning import constrain
 
 Cache = dict
 

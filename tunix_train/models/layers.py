@@ -15,7 +15,7 @@ from flax import nnx
 from tunix_train.config import ModelConfig
 from tunix_train.models import head, kv_cache
 from tunix_train.models.params import materialize, take
-from tunix_train.parallel.sharding import constrain
+from tunix_train.models.partitioning import constrain
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int) -> jax.Array:

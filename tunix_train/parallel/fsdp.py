@@ -49,7 +49,7 @@ WIDENED = "cpu_widened_from_"  # + dtype: a 16-bit reduction carried in fp32 on 
 
 
 @dataclass(frozen=True)
-class GradientPlan:
+class GradientSync:
     """Static facts about one step's gradients."""
 
     mesh: Mesh
@@ -68,6 +68,12 @@ class GradientPlan:
     @property
     def reductions_per_step(self) -> int:
         return self.accumulation_steps // self.sync_every
+
+    @property
+    def scatters(self) -> bool:
+        """Whether gradients are reduce-scattered (sharded over fsdp: ZeRO-2, 3)."""
+        return any(_fsdp_axis(spec) is not None for spec in jax.tree.leaves(
+            self.grad_specs, is_leaf=lambda x: isinstance(x, P)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,9 +236,9 @@ def _local_shape(shape: tuple[int, ...], spec: P, fsdp: int) -> tuple[int, ...]:
     return tuple(d // fsdp if i == axis else d for i, d in enumerate(shape))
 
 
-def _hows(plan: GradientPlan, params: Any) -> Any:
+def _hows(sync: GradientSync, params: Any) -> Any:
     """A `_How` per parameter; axes of stacked layers count from one layer's slice."""
-    reduce = plan.sync_every == 1
+    reduce = sync.sync_every == 1
 
     def how(p, param_spec, grad_spec, stacked):
         shift = 1 if stacked else 0
@@ -240,28 +246,18 @@ def _hows(plan: GradientPlan, params: Any) -> Any:
         return _How(None if gather is None else gather - shift,
                     None if scatter is None else scatter - shift,
                     _without_fsdp(param_spec, shift), reduce,
-                    plan.compute_dtype, plan.reduce_dtype,
-                    jnp.float32 if reduce else plan.compute_dtype)
+                    sync.compute_dtype, sync.reduce_dtype,
+                    jnp.float32 if reduce else sync.compute_dtype)
 
-    return jax.tree.map(how, params, plan.param_specs, plan.grad_specs, plan.stacked)
+    return jax.tree.map(how, params, sync.param_specs, sync.grad_specs, sync.stacked)
 
 
-def _target_shapes(plan: GradientPlan, params: Any, hows: Any) -> Any:
-    """This device's gradient of each parameter: its reduced shard, or the local whole."""
+def _gradient_zeros(sync: GradientSync, params: Any, reduced: bool, dtype) -> Any:
+    """Zeros shaped like this device's gradient of each parameter: its reduced shard, or the
+    local whole."""
     return jax.tree.map(
-        lambda p, spec, how: jax.ShapeDtypeStruct(
-            _local_shape(p.shape, spec, plan.fsdp) if how.reduce else p.shape, how.grad_dtype),
-        params, plan.grad_specs, hows)
-
-
-def _reduced_shapes(plan: GradientPlan, params: Any) -> Any:
-    return jax.tree.map(
-        lambda p, spec: jax.ShapeDtypeStruct(_local_shape(p.shape, spec, plan.fsdp), jnp.float32),
-        params, plan.grad_specs)
-
-
-def _zeros(shapes: Any, dtype=None) -> Any:
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, dtype or s.dtype), shapes)
+        lambda p, spec: jnp.zeros(_local_shape(p.shape, spec, sync.fsdp) if reduced else p.shape,
+                                  dtype), params, sync.grad_specs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,21 +277,17 @@ def _first(tree: Any) -> Any:
     return jax.tree.map(lambda x: x[0], tree)
 
 
-def _as_f32(tree: Any) -> Any:
-    return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
-
-
-def _reduce_all(plan: GradientPlan, grads: Any) -> Any:
+def _reduce_all(sync: GradientSync, grads: Any) -> Any:
     """One reduction of a whole local gradient (sync_every > 1)."""
     def reduce(grad, spec):
-        return _blockwise(lambda g: _reduce_one(g.astype(plan.reduce_dtype), _fsdp_axis(spec)),
+        return _blockwise(lambda g: _reduce_one(g.astype(sync.reduce_dtype), _fsdp_axis(spec)),
                           _without_fsdp(spec))(grad).astype(jnp.float32)
 
     with jax.named_scope(SYNC_SCOPE):
-        return jax.tree.map(reduce, grads, plan.grad_specs)
+        return jax.tree.map(reduce, grads, sync.grad_specs)
 
 
-def accumulated(plan: GradientPlan, loss_fn: Callable, params: Any, batch: dict):
+def accumulated_gradients(sync: GradientSync, loss_fn: Callable, params: Any, batch: dict):
     """(reduced fp32 gradient sums, loss sum, token count) over the [accum, B, L] batch.
 
     `params`: the fp32 parameters laid out as stored; `loss_fn(params, micro_batch) ->
@@ -303,54 +295,55 @@ def accumulated(plan: GradientPlan, loss_fn: Callable, params: Any, batch: dict)
     models/params.py, with `FsdpHook` installed here), under no activation constraint naming
     fsdp.
     """
-    hows = _hows(plan, params)
-    target_shapes, reduced_shapes = _target_shapes(plan, params, hows), _reduced_shapes(plan, params)
-    K, rounds = plan.sync_every, plan.reductions_per_step
-    scalar_shape = jax.ShapeDtypeStruct((), jnp.float32)
+    hows = _hows(sync, params)
+    K, rounds = sync.sync_every, sync.reductions_per_step
+    scalar = lambda: jnp.zeros((), jnp.float32)  # noqa: E731
 
-    def per_device(params, batch):
-        targets = _zeros(target_shapes)
+    def per_device(local_params, batch):
+        # Stand-ins for the gradients (see `Fetch`), from the global shapes: blocks are local.
+        targets = _gradient_zeros(sync, params, K == 1, jnp.float32 if K == 1 else
+                                  sync.compute_dtype)
 
         def micro_grads(micro_batch):
             def loss_of(targets):
-                tree = jax.tree.map(Fetch, params, targets, hows)
+                tree = jax.tree.map(Fetch, local_params, targets, hows)
                 with model_params.hooked(FsdpHook()):
                     return loss_fn(tree, micro_batch)
 
             (loss, tokens), grads = jax.value_and_grad(loss_of, has_aux=True)(targets)
-            return _as_f32(grads), loss, tokens
+            return jax.tree.map(lambda g: g.astype(jnp.float32), grads), loss, tokens
 
         def one_round(round_batch):  # K micro-batches, then (K > 1) one reduction
             if K == 1:
                 return micro_grads(_first(round_batch))
             local, loss, tokens = _scan_sum(
-                micro_grads, (_zeros(target_shapes, jnp.float32), *_zeros((scalar_shape,) * 2)),
-                round_batch)
-            return _reduce_all(plan, local), loss, tokens
+                micro_grads, (_gradient_zeros(sync, params, False, jnp.float32), scalar(),
+                              scalar()), round_batch)
+            return _reduce_all(sync, local), loss, tokens
 
         split = jax.tree.map(lambda x: x.reshape(rounds, K, *x.shape[1:]), batch)
         if rounds == 1:
             grads, loss, tokens = one_round(_first(split))
         else:
-            init = _zeros((reduced_shapes, scalar_shape, scalar_shape))
+            init = (_gradient_zeros(sync, params, True, jnp.float32), scalar(), scalar())
             grads, loss, tokens = _scan_sum(one_round, init, split)
         return grads, jax.lax.psum(loss, FSDP), jax.lax.psum(tokens, FSDP)
 
     spec_of = lambda specs: jax.tree.map(_fsdp_only, specs, is_leaf=lambda x: isinstance(x, P))  # noqa: E731
     batch_spec = P(None, FSDP)
     return jax.shard_map(
-        per_device, mesh=plan.mesh, axis_names={FSDP}, check_vma=False,
-        in_specs=(spec_of(plan.param_specs), jax.tree.map(lambda _: batch_spec, batch)),
-        out_specs=(spec_of(plan.grad_specs), P(), P()),
+        per_device, mesh=sync.mesh, axis_names={FSDP}, check_vma=False,
+        in_specs=(spec_of(sync.param_specs), jax.tree.map(lambda _: batch_spec, batch)),
+        out_specs=(spec_of(sync.grad_specs), P(), P()),
     )(params, batch)
 
 
-def local_gradient_bytes(plan: GradientPlan, params: Any, dtype: jnp.dtype) -> int:
+def local_gradient_bytes(sync: GradientSync, params: Any, dtype: jnp.dtype) -> int:
     """Per-device bytes of one whole unreduced gradient (this device's tp share of every
     parameter): what `sync_every` > 1 keeps, and what one such reduction carries per device."""
     leaves, treedef = jax.tree.flatten(params)
     total = 0
-    for p, spec in zip(leaves, treedef.flatten_up_to(plan.grad_specs)):
-        local = NamedSharding(plan.mesh, _without_fsdp(spec))
+    for p, spec in zip(leaves, treedef.flatten_up_to(sync.grad_specs)):
+        local = NamedSharding(sync.mesh, _without_fsdp(spec))
         total += math.prod(local.shard_shape(p.shape)) * jnp.dtype(dtype).itemsize
     return total

@@ -1,7 +1,7 @@
 """`model.mesh_shape` → `jax.sharding.Mesh`. The only module that spells the mesh axis names.
 
 `mesh_shape` is `[[sizes...], [names...]]`, e.g. `[[4, 2], ["fsdp", "tp"]]`; one size may be -1
-and is filled from the device count. Devices are ordered so that `tp` groups stay inside one
+and is filled from the device count. None (the default) puts every device on fsdp. Devices are ordered so that `tp` groups stay inside one
 process (one host or GPU group) and `fsdp` spans processes: tensor parallelism communicates every
 layer, data parallelism once per step.
 """
@@ -23,6 +23,7 @@ from tunix_train.config import ConfigError
 FSDP = "fsdp"
 TP = "tp"
 AXES = (FSDP, TP)
+DEFAULT_SHAPE = [[-1, 1], [FSDP, TP]]  # model.mesh_shape=None: every device on fsdp
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +44,10 @@ class MeshShape:
     def tp(self) -> int:
         return self.size(TP)
 
-    def describe(self) -> str:
-        return " × ".join(f"{n}={s}" for n, s in zip(self.names, self.sizes))
 
-
-def parse(mesh_shape: Sequence[Any], num_devices: int) -> MeshShape:
+def parse(mesh_shape: Sequence[Any] | None, num_devices: int) -> MeshShape:
     """Checks `model.mesh_shape` against the device count and fills a single -1."""
-    sizes, names = _split(mesh_shape)
+    sizes, names = _split(DEFAULT_SHAPE if mesh_shape is None else mesh_shape)
     if sorted(names) != sorted(AXES):
         raise ConfigError(
             f"model.mesh_shape names {list(names)} must be exactly {list(AXES)} in some order."
@@ -90,8 +88,8 @@ def _split(mesh_shape: Sequence[Any]) -> tuple[tuple[int, ...], tuple[str, ...]]
     return sizes, names
 
 
-def build(shape: MeshShape, devices: Sequence[jax.Device] | None = None,
-          processes_per_node: int = 1) -> Mesh:
+def create_mesh(shape: MeshShape, devices: Sequence[jax.Device] | None = None,
+                processes_per_node: int = 1) -> Mesh:
     """Arranges devices into the mesh with Auto axis types (sharded matmuls need Auto)."""
     devices = list(devices if devices is not None else jax.devices())
     grid = _device_grid(shape, devices, processes_per_node)

@@ -1,7 +1,9 @@
 """The logical → mesh axis table, checked once, and every sharding derived from it.
 
 Model code names logical axes only (`("embed", "mlp")`, `("act_batch", "act_seq", ...)`); this
-module turns them into `PartitionSpec`s. `training.zero_stage` picks what is sharded over `fsdp`:
+module holds the one table that maps them to mesh axes (`RULES`; `model.sharding_rules` holds a
+user's overrides, merged here) and turns them into `PartitionSpec`s. `training.zero_stage`
+picks what is sharded over `fsdp`:
 
     stage   parameters   gradients   optimizer state
       0     replicated   replicated  replicated        (DDP: gradients all-reduced)
@@ -20,15 +22,34 @@ from typing import Any, Iterator, Mapping
 import jax
 import optax
 from flax import nnx
-from flax.core import spmd as flax_spmd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tunix_train.config import DEFAULT_SHARDING_RULES, ConfigError, ModelConfig
+from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.parallel.mesh import FSDP, TP
 
 log = logging.getLogger(__name__)
 
 LogicalRules = tuple[tuple[str, str | None], ...]
+
+RULES: dict[str, str | None] = {
+    # Parameters. `embed` is the dimension FSDP (ZeRO-3) shards; the rest is tensor parallelism.
+    "vocab": TP,
+    "embed": FSDP,
+    "mlp": TP,
+    "q_heads": TP,
+    "kv_heads": TP,  # dropped automatically when tp does not divide num_kv_heads (MQA)
+    "head_dim": None,
+    "layers": None,
+    "norm": None,
+    # Activations.
+    "act_batch": FSDP,
+    "act_seq": None,
+    "act_embed": None,
+    "act_mlp": TP,
+    "act_q_heads": TP,
+    "act_kv_heads": TP,
+    "act_vocab": TP,
+}
 
 # Logical axes whose size must be divisible by the mesh axis they map to, or the run cannot shard
 # them; the others fall back to replication (e.g. a single KV head under tp).
@@ -36,8 +57,9 @@ _MUST_DIVIDE = ("vocab", "embed", "mlp", "q_heads")
 
 
 @dataclass(frozen=True)
-class ShardingPlan:
-    """Rules for each kind of state; `params` also drives the model's activation constraints."""
+class StageRules:
+    """The rules each kind of state follows at a ZeRO stage; `params` also drives the model's
+    activation constraints."""
 
     params: LogicalRules
     grads: LogicalRules
@@ -55,16 +77,15 @@ def logical_dims(model: ModelConfig) -> dict[str, int]:
 
 
 def resolve_rules(model: ModelConfig, mesh: Mesh) -> dict[str, str | None]:
-    """`model.sharding_rules` checked against the mesh and the model's dimensions."""
-    rules = dict(model.sharding_rules)
-    unknown = sorted(set(rules) - set(DEFAULT_SHARDING_RULES))
+    """`RULES` with `model.sharding_rules` merged in, checked against the mesh and the model's
+    dimensions."""
+    unknown = sorted(set(model.sharding_rules) - set(RULES))
     if unknown:
         raise ConfigError(
             f"model.sharding_rules has unknown logical axes {unknown}; "
-            f"known ones are {sorted(DEFAULT_SHARDING_RULES)}."
+            f"known ones are {sorted(RULES)}."
         )
-    for name in DEFAULT_SHARDING_RULES:
-        rules.setdefault(name, None)
+    rules = {**RULES, **model.sharding_rules}
     dims = logical_dims(model)
     for name, axis in rules.items():
         if axis is not None and axis not in mesh.shape:
@@ -90,7 +111,7 @@ _DIM_KEYS = {"vocab": "vocab_size", "embed": "embed_dim", "mlp": "hidden_dim",
              "q_heads": "num_heads"}
 
 
-def plan(model: ModelConfig, mesh: Mesh, zero_stage: int) -> ShardingPlan:
+def stage_rules(model: ModelConfig, mesh: Mesh, zero_stage: int) -> StageRules:
     rules = resolve_rules(model, mesh)
     if FSDP in (rules["vocab"], rules["act_vocab"]):
         raise ConfigError(
@@ -101,7 +122,7 @@ def plan(model: ModelConfig, mesh: Mesh, zero_stage: int) -> ShardingPlan:
         (name, None if axis == FSDP and not name.startswith("act_") else axis)
         for name, axis in rules.items()
     )
-    return ShardingPlan(
+    return StageRules(
         params=sharded if zero_stage >= 3 else unsharded,
         grads=sharded if zero_stage >= 2 else unsharded,
         optimizer=sharded if zero_stage >= 1 else unsharded,
@@ -139,17 +160,6 @@ def activate(mesh: Mesh, rules: LogicalRules) -> Iterator[None]:
         yield
 
 
-def constrain(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
-    """Activation sharding constraint by logical names; a no-op outside `activate`."""
-    rules = dict(flax_spmd.get_logical_axis_rules())
-    mesh = jax.sharding.get_abstract_mesh()
-    if not rules or mesh.empty:
-        return x
-    axes = [rules.get(name) if name else None for name in logical_axes]
-    axes = [a if a and dim % mesh.shape[a] == 0 else None for a, dim in zip(axes, x.shape)]
-    return jax.lax.with_sharding_constraint(x, P(*axes))
-
-
 def state_shardings(abstract_state: Any, mesh: Mesh, rules: LogicalRules) -> Any:
     """NamedShardings for an `nnx.State` of Variables carrying logical `out_sharding` metadata."""
     with nnx.logical_axis_rules(rules):
@@ -175,11 +185,3 @@ def batch_sharding(mesh: Mesh, rules: Mapping[str, str | None], leading: int = 0
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
-
-
-def fsdp_size(mesh: Mesh) -> int:
-    return mesh.shape[FSDP]
-
-
-def tp_size(mesh: Mesh) -> int:
-    return mesh.shape[TP]

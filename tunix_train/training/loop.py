@@ -14,23 +14,19 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import jax
 
-from tunix_train import config as config_lib
-from tunix_train.analysis import flops
-from tunix_train.training import optim
 from tunix_train.analysis import profiling
 from tunix_train.checkpoint import Checkpoints
+from tunix_train.config import LoggingConfig, TrainingConfig
 from tunix_train.data.pipeline import GlobalBatches
+from tunix_train.training import optim
 from tunix_train.training.faults import Faults
 from tunix_train.training.metrics import MetricsWriter, Throughput, format_line
 from tunix_train.training.preemption import PreemptionSignal
 from tunix_train.training.watchdog import Watchdog
-
-if TYPE_CHECKING:
-    from tunix_train.training.run import Setup
 
 log = logging.getLogger("tunix_train")
 
@@ -41,28 +37,27 @@ class NonFiniteLoss(FloatingPointError):
 
 @dataclass
 class Loop:
-    setup: "Setup"
     train_step: Callable
     data: GlobalBatches
     evaluate: Callable[[Any], float]
     writer: MetricsWriter
     checkpoints: Checkpoints
     faults: Faults
+    training: TrainingConfig
+    logging: LoggingConfig
+    step_timeout_s: float  # distributed.step_timeout_s
+    throughput: Throughput
+    saved_config: dict  # the run's resolved config, saved with every checkpoint
     summary: dict = field(default_factory=dict)
     _unchecked: list = field(default_factory=list)  # [(step, device metrics)] not yet fetched
     _skipped: int = 0  # skipped updates counted so far (optimizer state survives resumes)
 
-    def run(self, state) -> tuple[Any, dict]:
-        first = int(jax.device_get(state["step"]))
+    def run(self, state, first: int) -> tuple[Any, dict]:
+        """Steps first + 1 … training.steps, from `state` (whose step is `first`)."""
         self._skipped = int(jax.device_get(optim.skipped_updates(state["opt_state"])))
-        cfg = self.setup.cfg
-        mfu_factor = flops.mfu_per_token_per_s(cfg.model, cfg.data.seq_len, cfg.logging,
-                                               jax.devices())
-        self._throughput = Throughput(first, mfu_factor)
         self.summary.update(final_step=first, preempted=False, skipped_steps=self._skipped)
-        with PreemptionSignal() as preemption, \
-                Watchdog(self.setup.cfg.distributed.step_timeout_s) as watchdog:
-            for step in range(first + 1, self.setup.cfg.training.steps + 1):
+        with PreemptionSignal() as preemption, Watchdog(self.step_timeout_s) as watchdog:
+            for step in range(first + 1, self.training.steps + 1):
                 state = self._step(state, step, watchdog)
                 stop = preemption.reached(step)
                 self._after_step(state, step, stop, watchdog)
@@ -84,7 +79,7 @@ class Loop:
         return state
 
     def _after_step(self, state, step: int, stop: bool, watchdog: Watchdog) -> None:
-        save = stop or self.checkpoints.due(step) or step == self.setup.cfg.training.steps
+        save = stop or self.checkpoints.due(step) or step == self.training.steps
         if self._log_due(step - 1):
             self._check(up_to=step - 1)
         if save:
@@ -98,12 +93,12 @@ class Loop:
             log.info("step %d | validation loss %.4f", step, eval_loss)
 
     def _log_due(self, step: int) -> bool:
-        every, total = self.setup.cfg.logging.every_steps, self.setup.cfg.training.steps
+        every, total = self.logging.every_steps, self.training.steps
         return step > 0 and (step % every == 0 or step == total)
 
     def _eval_due(self, step: int) -> bool:
-        every = self.setup.cfg.training.eval_every_steps
-        return bool(every) and step % every == 0 and step != self.setup.cfg.training.steps
+        every = self.training.eval_every_steps
+        return bool(every) and step % every == 0 and step != self.training.steps
 
     def _check(self, up_to: int) -> None:
         """Fetches the unchecked steps ≤ up_to: non-finite ones halt or count; logged ones log."""
@@ -121,7 +116,7 @@ class Loop:
         if math.isfinite(values["loss"]) and skipped == self._skipped:
             return
         self._skipped = self.summary["skipped_steps"] = skipped
-        if self.setup.cfg.training.nan_policy == "halt":
+        if self.training.nan_policy == "halt":
             latest = self.checkpoints.manager.latest_step()
             saved = f"the latest checkpoint is step {latest}" if latest else "no checkpoint yet"
             raise NonFiniteLoss(
@@ -132,16 +127,15 @@ class Loop:
                     step, skipped)
 
     def _report(self, step: int, values: dict[str, float]) -> None:
-        values.update(self._throughput.interval(step, self.setup.tokens_per_step))
+        values.update(self.throughput.interval(step))
         values.update(profiling.memory_scalars())  # peak device memory, where the backend counts
         self.summary.setdefault("first_loss", values["loss"])
         self.summary["last_loss"] = values["loss"]
         self.writer.scalars(step, values)
         self.writer.progress(step, values)
-        log.info(format_line(step, self.setup.cfg.training.steps, values))
+        log.info(format_line(step, self.training.steps, values))
 
     def _save(self, state, step: int) -> None:
-        if self.checkpoints.save(step, state, self.data.get_state(),
-                                 config_lib.to_dict(self.setup.cfg)):
+        if self.checkpoints.save(step, state, self.data.get_state(), self.saved_config):
             log.info("checkpoint of step %d started", step)
             self.faults.after_save_started(step)

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 import jax
 
+from tunix_train.analysis.costs import StepCosts
 from tunix_train.config import LoggingConfig
 
 log = logging.getLogger("tunix_train")
@@ -103,16 +104,17 @@ class Throughput:
     With `mfu_factor` (model FLOPs per token / total peak FLOP/s, see flops.py) it adds `mfu`.
     """
 
-    def __init__(self, step: int, mfu_factor: float | None = None):
+    def __init__(self, step: int, tokens_per_step: int, mfu_factor: float | None = None):
         self._step, self._time = step, time.perf_counter()
-        self._mfu_factor = mfu_factor
+        self._tokens_per_step, self._mfu_factor = tokens_per_step, mfu_factor
 
-    def interval(self, step: int, tokens_per_step: int) -> dict[str, float]:
+    def interval(self, step: int) -> dict[str, float]:
         now = time.perf_counter()
         steps = max(step - self._step, 1)
         seconds = now - self._time
         self._step, self._time = step, now
-        rates = {"step_time_s": seconds / steps, "tokens_per_s": tokens_per_step * steps / seconds}
+        rates = {"step_time_s": seconds / steps,
+                 "tokens_per_s": self._tokens_per_step * steps / seconds}
         if self._mfu_factor is not None:
             rates["mfu"] = rates["tokens_per_s"] * self._mfu_factor
         return rates
@@ -123,3 +125,33 @@ def format_line(step: int, total: int, values: dict[str, Any]) -> str:
             f"grad_norm {values['grad_norm']:.3f} | {values['tokens_per_s']:,.0f} tok/s | "
             f"{values['step_time_s']:.3f} s/step"
             + (f" | MFU {values['mfu']:.1%}" if "mfu" in values else ""))
+
+
+def report_costs(costs: StepCosts, writer: MetricsWriter, run_dir: Path) -> None:
+    """The compiled step's costs: start-up log lines, TensorBoard text and `comm_report.json`
+    (process 0 writes files), and a warning if the step will not fit the device."""
+    memory = costs.memory_lines()
+    lines = [*memory, costs.sync_line(),
+             f"FLOPs per step (all devices, as compiled): {costs.flops_per_step:.3e}",
+             "communication per step, per device:", *costs.comm.table().splitlines()]
+    for line in lines:
+        log.info(line)
+    _warn_if_too_big(costs.per_device_bytes["total"])
+    writer.text("memory", "\n".join(memory))
+    writer.text("communication", "\n".join(lines[len(memory):]))
+    if jax.process_index() == 0:
+        record = {"mesh": {k: int(v) for k, v in costs.sync.mesh.shape.items()},
+                  **costs.comm.to_json()}
+        (run_dir / "comm_report.json").write_text(json.dumps(record, indent=1))
+
+
+def _warn_if_too_big(needed: int) -> None:
+    """Before the first step: the compiled step against what JAX may allocate (GPUs report it)."""
+    device = jax.local_devices()[0]
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    if limit and needed > limit:
+        log.warning(
+            "the step needs %.1f GB per device but JAX may use %.1f GB of this %s: expect an "
+            "out-of-memory error; lower training.micro_batch_size, set training.remat=full, add "
+            "fsdp devices, or raise XLA_PYTHON_CLIENT_MEM_FRACTION (JAX's default is 0.75).",
+            needed / 1e9, limit / 1e9, device.device_kind)

@@ -26,7 +26,7 @@ def _decay_mask(params):
     )
 
 
-def build(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
+def adamw(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
     adamw = optax.adamw(
         schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
         weight_decay=cfg.weight_decay, mask=_decay_mask,

@@ -3,7 +3,7 @@
 Loss is the masked next-token cross-entropy in fp32. Gradient accumulation scans over
 micro-batches summing unnormalised losses and gradients, then normalises once by the total
 token count, so accumulation k × micro-batch b equals one batch of k·b exactly (up to float
-summation order). How gradients are summed and reduced over fsdp is fsdp.py's job.
+summation order). How gradients are summed and reduced over fsdp is parallel/fsdp.py's job.
 """
 
 from __future__ import annotations
@@ -18,12 +18,11 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from tunix_train.parallel import fsdp
-from tunix_train.parallel.fsdp import GradientPlan
 from tunix_train.models.head import VocabChunks
-from tunix_train.training.optim import skipped_updates
+from tunix_train.parallel import fsdp
 from tunix_train.parallel.sharding import LogicalRules, activate, per_shard_rules
-from tunix_train.training.state import StateSpec, TrainState
+from tunix_train.training.optim import skipped_updates
+from tunix_train.training.state import StateLayout, TrainState
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
@@ -32,7 +31,7 @@ Metrics = dict[str, jax.Array]
 @dataclass(frozen=True)
 class StepOptions:
     compute_dtype: jnp.dtype  # bf16: fp32 master weights cast for compute
-    gradients: GradientPlan
+    sync: fsdp.GradientSync
     mesh: Mesh
     rules: LogicalRules  # logical → mesh axes for the model's activation constraints
     vocab_chunks: VocabChunks  # how the fused output head + loss cuts the vocabulary
@@ -53,17 +52,17 @@ def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: Batch,
     return jnp.sum(token_loss_BxL * weights_BxL), jnp.sum(weights_BxL)
 
 
-def train_step_fn(spec: StateSpec, optimizer: optax.GradientTransformation,
+def train_step_fn(layout: StateLayout, optimizer: optax.GradientTransformation,
                   schedule: optax.Schedule, options: StepOptions) -> Callable:
     """The un-jitted step: state, batch → new state, metrics."""
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        loss_fn = partial(loss_sums, spec.graphdef, vocab_chunks=options.vocab_chunks)
+        loss_fn = partial(loss_sums, layout.params.graphdef, vocab_chunks=options.vocab_chunks)
         # Inside the shard_map over fsdp each device sees its own rows: no fsdp constraint.
-        # Parameters go in as fp32 shards: each is cast where it is gathered (fsdp.py).
+        # Parameters go in as fp32 shards: each is cast where it is gathered (parallel/fsdp.py).
         with activate(options.mesh, per_shard_rules(options.rules)):  # in effect while jit traces
-            grads, loss_sum, tokens = fsdp.accumulated(options.gradients, loss_fn,
-                                                            state["params"], batch)
+            grads, loss_sum, tokens = fsdp.accumulated_gradients(options.sync, loss_fn,
+                                                                 state["params"], batch)
         # A non-finite loss makes every gradient NaN here (in the division that happens anyway),
         # so the optimizer's finiteness guard skips the update even if the gradients were finite.
         denominator = jnp.where(jnp.isfinite(loss_sum), jnp.maximum(tokens, 1.0), jnp.nan)
@@ -86,22 +85,22 @@ def train_step_fn(spec: StateSpec, optimizer: optax.GradientTransformation,
     return step
 
 
-def jit_train_step(spec: StateSpec, optimizer, schedule, options: StepOptions,
+def jit_train_step(layout: StateLayout, optimizer, schedule, options: StepOptions,
                    batch_sharding: NamedSharding) -> Callable:
     # The state is donated: the step updates it in place, halving peak state memory.
     return jax.jit(
-        train_step_fn(spec, optimizer, schedule, options),
-        in_shardings=(spec.shardings, batch_sharding),
-        out_shardings=(spec.shardings, None),
+        train_step_fn(layout, optimizer, schedule, options),
+        in_shardings=(layout.shardings, batch_sharding),
+        out_shardings=(layout.shardings, None),
         donate_argnums=(0,),
     )
 
 
-def jit_eval_step(spec: StateSpec, options: StepOptions, batch_sharding: NamedSharding):
+def jit_eval_step(layout: StateLayout, options: StepOptions, batch_sharding: NamedSharding):
     def evaluate(params, batch: Batch) -> tuple[jax.Array, jax.Array]:
         single = jax.tree.map(lambda x: x[0], batch)
         with activate(options.mesh, options.rules):
-            return loss_sums(spec.graphdef, _cast(params, options.compute_dtype), single,
+            return loss_sums(layout.params.graphdef, _cast(params, options.compute_dtype), single,
                              options.vocab_chunks)
 
-    return jax.jit(evaluate, in_shardings=(spec.shardings["params"], batch_sharding))
+    return jax.jit(evaluate, in_shardings=(layout.shardings["params"], batch_sharding))

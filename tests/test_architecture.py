@@ -1,0 +1,104 @@
+"""The package's import arrows run one way, read from the source of every module:
+
+    entry points (cli, plan, generate, export, launch)
+      → training → inference → analysis → parallel → models, data, checkpoint → config
+
+No cycles; the model package never imports the distribution layer (it names logical axes only);
+inference never imports the trainer; mesh axis names are spelled in the mesh module alone.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "tunix_train"
+
+LAYERS = [  # top to bottom; a module may import its own layer's modules and those below
+    {"tunix_train.cli", "tunix_train.plan", "tunix_train.generate", "tunix_train.export",
+     "tunix_train.launch"},
+    {"tunix_train.training"},
+    {"tunix_train.inference"},
+    {"tunix_train.analysis"},
+    {"tunix_train.parallel"},
+    {"tunix_train.models", "tunix_train.data", "tunix_train.checkpoint"},
+    {"tunix_train.config"},
+]
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(name: str) -> set[str]:
+    """The package modules `name` imports, anywhere in its source (function bodies too)."""
+    targets = set()
+    for node in ast.walk(ast.parse(MODULES[name].read_text())):
+        if isinstance(node, ast.Import):
+            targets |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            targets.add(node.module)
+            targets |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return {t for t in targets if t in MODULES and t not in (name, "tunix_train")}
+
+
+GRAPH = {name: _imports(name) for name in MODULES}
+
+
+def _layer(name: str) -> int | None:
+    for index, members in enumerate(LAYERS):
+        if any(name == m or name.startswith(m + ".") for m in members):
+            return index
+    return None
+
+
+def test_every_module_has_a_layer():
+    assert [m for m in MODULES if m != "tunix_train" and _layer(m) is None] == []
+
+
+def test_arrows_run_down_the_layers_only():
+    upward = [(a, b) for a, targets in GRAPH.items() for b in targets
+              if _layer(a) is not None and _layer(b) < _layer(a)]
+    assert upward == []
+
+
+def test_the_import_graph_has_no_cycles():
+    state: dict[str, str] = {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = "open"
+        for target in sorted(GRAPH[name]):
+            if state.get(target) == "open":
+                pytest.fail("import cycle: " + " → ".join(path[path.index(target):] + [target])
+                            if target in path else f"import cycle through {target}")
+            if target not in state:
+                visit(target, path + [target])
+        state[name] = "done"
+
+    for name in sorted(GRAPH):
+        if name not in state:
+            visit(name, [name])
+
+
+def test_models_name_logical_axes_only_and_inference_needs_no_trainer():
+    for name, targets in GRAPH.items():
+        if name.startswith("tunix_train.models"):
+            assert not any(t.startswith("tunix_train.parallel") for t in targets), name
+        if name.startswith("tunix_train.inference") or name in (
+                "tunix_train.generate", "tunix_train.export"):
+            assert not any(t.startswith("tunix_train.training") for t in targets), name
+
+
+def test_mesh_axis_names_are_spelled_in_the_mesh_module_alone():
+    spelled = {name for name, path in MODULES.items()
+               for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.Constant) and node.value in ("fsdp", "tp")}
+    assert spelled == {"tunix_train.parallel.mesh"}
