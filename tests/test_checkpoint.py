@@ -4,6 +4,7 @@ The end-to-end behaviour through the CLI (resume, preemption, SIGKILL, NaN, watc
 test_resume.py; these are the same rules, cheap enough to check each edge case.
 """
 
+import errno
 import logging
 import os
 import signal
@@ -12,6 +13,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -27,8 +29,7 @@ from tunix_train.training.preemption import PreemptionSignal
 # A failed Orbax read leaves its other coroutines un-awaited; Python reports them whenever they
 # are collected, during whichever test runs then.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-MODEL = compose_config().model
-CONFIG = {"model": {k: getattr(MODEL, k) for k in checkpoint.SHAPE_KEYS}}
+CONFIG = config_lib.to_dict(compose_config())
 
 
 def make_mesh(fsdp: int, tp: int):
@@ -71,7 +72,7 @@ def assert_state_is(restored, step: int) -> None:
 def test_saved_on_4x2_restores_on_8x1_in_the_new_shardings(tmp_path):
     save_steps(tmp_path, [2], make_mesh(4, 2))
     target = make_mesh(8, 1)
-    restored = checkpoint.restore(tmp_path, abstract(target), MODEL)
+    restored = checkpoint.restore(tmp_path, abstract(target), CONFIG)
     assert restored.step == 2 and restored.data_state == {"next_step": 2}
     assert_state_is(restored.state, 2)
     assert restored.state["params"]["w"].sharding == shardings(target)["params"]["w"]
@@ -97,7 +98,7 @@ def test_a_damaged_latest_step_falls_back_in_one_line_and_is_set_aside(tmp_path,
     else:
         victim.unlink()
     with caplog.at_level(logging.WARNING, logger="tunix_train"):
-        restored = checkpoint.restore(tmp_path, abstract(make_mesh(8, 1)), MODEL,
+        restored = checkpoint.restore(tmp_path, abstract(make_mesh(8, 1)), CONFIG,
                                       set_aside_in=tmp_path)
     assert restored.step == 2
     assert_state_is(restored.state, 2)
@@ -115,22 +116,87 @@ def test_an_uncommitted_step_is_not_a_checkpoint(tmp_path):
     partial = tmp_path / "checkpoints" / "4.orbax-checkpoint-tmp" / "state"
     partial.mkdir(parents=True)
     (partial / "_METADATA").write_text("{")
-    assert checkpoint.restore(tmp_path, abstract(make_mesh(8, 1)), MODEL).step == 2
+    assert checkpoint.restore(tmp_path, abstract(make_mesh(8, 1)), CONFIG).step == 2
 
 
 def test_all_steps_damaged_is_a_config_error_and_nothing_moves(tmp_path):
     save_steps(tmp_path, [2], make_mesh(8, 1))
     os.truncate(largest_data_file(tmp_path / "checkpoints" / "2"), 10)
     with pytest.raises(ConfigError, match="no readable checkpoint"):
-        checkpoint.restore(tmp_path, abstract(make_mesh(8, 1)), MODEL, set_aside_in=tmp_path)
+        checkpoint.restore(tmp_path, abstract(make_mesh(8, 1)), CONFIG, set_aside_in=tmp_path)
     assert (tmp_path / "checkpoints" / "2").is_dir()
 
 
-def test_a_different_model_is_named_before_reading_arrays(tmp_path):
+def with_setting(section: str, key: str, value) -> dict:
+    return {**CONFIG, section: {**CONFIG[section], key: value}}
+
+
+def test_a_different_model_is_named_before_reading_arrays(tmp_path, monkeypatch):
     save_steps(tmp_path, [2], make_mesh(8, 1))
-    other = compose_config("model.embed_dim=64").model
-    with pytest.raises(ConfigError, match="embed_dim=128 but this run has model.embed_dim=64"):
-        checkpoint.restore(tmp_path, abstract(make_mesh(8, 1)), other)
+    narrower = abstract(make_mesh(8, 1))
+    narrower["params"]["w"] = jax.ShapeDtypeStruct((256, 32), jnp.float32,
+                                                   sharding=narrower["params"]["w"].sharding)
+    read_arrays = []
+    monkeypatch.setattr(ocp.args, "StandardRestore", lambda *a: read_arrays.append(a))
+    with pytest.raises(ConfigError, match=r"\(model.embed_dim=128 there, 64 here\); nothing was "
+                                          r"moved") as error:
+        checkpoint.restore(tmp_path, narrower, with_setting("model", "embed_dim", 64),
+                           set_aside_in=tmp_path)
+    assert "init_params_from" not in str(error.value)  # the parameters do not fit either
+    assert not read_arrays and sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
+
+
+def test_a_changed_optimizer_is_named_and_every_step_stays(tmp_path):
+    """optimizer.grad_clip 1.0 -> 0 drops a leaf of the optimizer state: a changed config, not
+    damage, so no step may be set aside."""
+    save_steps(tmp_path, [2, 4], make_mesh(8, 1))
+    target = abstract(make_mesh(8, 1))
+    target["opt_state"]["nu"] = target["opt_state"]["mu"]
+    with pytest.raises(ConfigError, match=r"\(optimizer.grad_clip=1.0 there, 0.0 here\); nothing "
+                                          r"was moved.* checkpoint.init_params_from="):
+        checkpoint.restore(tmp_path, target, with_setting("optimizer", "grad_clip", 0.0),
+                           set_aside_in=tmp_path)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
+    assert not (tmp_path / "damaged_checkpoints").exists()
+
+
+def flaky_reads(monkeypatch, failures: int) -> list:
+    """The first `failures` array reads fail as a storage hiccup would (EIO), not as damage."""
+    calls, real = [], checkpoint._Manager.restore
+
+    def restore(self, step, args=None):
+        if "state" in args.keys():
+            calls.append(step)
+            if len(calls) <= failures:
+                raise OSError(errno.EIO, "Input/output error")
+        return real(self, step, args=args)
+
+    monkeypatch.setattr(checkpoint._Manager, "restore", restore)
+    monkeypatch.setattr(checkpoint, "RETRY_PAUSE_S", 0.0)
+    return calls
+
+
+def test_a_transient_read_error_is_retried_and_moves_nothing(tmp_path, monkeypatch, caplog):
+    save_steps(tmp_path, [2, 4], make_mesh(8, 1))
+    calls = flaky_reads(monkeypatch, failures=1)
+    with caplog.at_level(logging.WARNING, logger="tunix_train"):
+        restored = checkpoint.restore(tmp_path, abstract(make_mesh(8, 1)), CONFIG,
+                                      set_aside_in=tmp_path)
+    assert restored.step == 4 and calls == [4, 4]
+    assert_state_is(restored.state, 4)
+    assert any("retrying" in r.getMessage() for r in caplog.records)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
+
+
+def test_a_lasting_read_error_fails_loudly_and_moves_nothing(tmp_path, monkeypatch):
+    save_steps(tmp_path, [2, 4], make_mesh(8, 1))
+    calls = flaky_reads(monkeypatch, failures=100)
+    with pytest.raises(checkpoint.StorageError, match=r"could not read checkpoint step 4 .* "
+                                                      r"nothing was moved"):
+        checkpoint.restore(tmp_path, abstract(make_mesh(8, 1)), CONFIG, set_aside_in=tmp_path)
+    assert calls == [4] * checkpoint.READ_ATTEMPTS  # never fell back to step 2
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
+    assert not (tmp_path / "damaged_checkpoints").exists()
 
 
 def test_load_params_reads_only_params_from_a_step_dir(tmp_path):
@@ -138,7 +204,7 @@ def test_load_params_reads_only_params_from_a_step_dir(tmp_path):
     target = make_mesh(8, 1)
     state = abstract(target)
     params = checkpoint.load_params(tmp_path / "checkpoints" / "2", state["params"],
-                                    shardings(target)["params"], MODEL)
+                                    shardings(target)["params"], CONFIG)
     assert set(params) == {"w", "b"}
     np.testing.assert_array_equal(params["w"], jax.device_get(make_state(2, target))["params"]["w"])
     assert params["w"].sharding == shardings(target)["params"]["w"]
@@ -177,8 +243,8 @@ def test_sigterm_is_a_stop_request_and_the_handlers_come_back():
 
 @pytest.mark.parametrize("overrides,message", [
     (["checkpoint.resume_from=a", "checkpoint.init_params_from=b"], "are both set"),
-    (["checkpoint.every_steps=-1"], "checkpoint.every_steps=-1 must be 0"),
-    (["checkpoint.keep=0"], "checkpoint.keep must be positive"),
+    (["checkpoint.every_steps=-1"], "checkpoint.every_steps=-1 is out of range: it must be at least 0"),
+    (["checkpoint.keep=0"], "checkpoint.keep=0 is out of range: it must be at least 1"),
 ])
 def test_checkpoint_keys_are_validated(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -10,15 +10,24 @@ Layout (a plain Orbax `CheckpointManager` directory, readable without this packa
 A step directory exists under its final name only once Orbax has committed it (it writes to
 `<step>.orbax-checkpoint-tmp` and renames), and older steps are deleted only after a newer one
 committed. Restoring goes into the current run's abstract state *with its shardings*, so a
-checkpoint saved on one mesh, ZeRO stage or process count loads on another. A committed step
-that cannot be read (a file removed or truncated) is reported in one line and the previous step
-is used instead.
+checkpoint saved on one mesh, ZeRO stage or process count loads on another.
+
+What can go wrong at restore, and what happens:
+- the saved state has another structure or shape than this run's (a changed model or optimizer
+  setting): found from Orbax's metadata before any array is read; one sentence names the keys
+  and both values; nothing is moved;
+- a step proven unreadable (a file missing or truncated: tensorstore's NOT_FOUND, OUT_OF_RANGE,
+  DATA_LOSS, a truncated compressed stream): reported in one line, set aside, and the previous
+  step is used instead;
+- any other error (a storage hiccup): retried, then a loud failure that moves nothing.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -28,14 +37,25 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from tunix_train.config import CheckpointConfig, ConfigError, ModelConfig
+from tunix_train.config import CheckpointConfig, ConfigError
 
 log = logging.getLogger("tunix_train")
 
 ITEMS = ("state", "data", "config")
-# Keys that decide parameter shapes: a checkpoint with other values cannot load.
-SHAPE_KEYS = ("num_layers", "embed_dim", "hidden_dim", "num_heads", "num_kv_heads", "head_dim",
-              "vocab_size")
+# Settings that decide the train state's structure or shapes, named when a checkpoint's differ.
+STRUCTURE_KEYS = (
+    *(f"model.{k}" for k in ("num_layers", "embed_dim", "hidden_dim", "num_heads",
+                             "num_kv_heads", "head_dim", "vocab_size", "global_every")),
+    "optimizer.name", "optimizer.grad_clip", "optimizer.weight_decay",
+)
+# Tensorstore's status codes for data that is not there or not whole: proof of damage.
+DAMAGE_CODES = ("NOT_FOUND", "OUT_OF_RANGE", "DATA_LOSS", "FAILED_PRECONDITION")
+READ_ATTEMPTS = 3  # other read errors are retried this often, with growing pauses
+RETRY_PAUSE_S = 1.0
+
+
+class StorageError(OSError):
+    """A checkpoint could not be read for a reason other than damage; nothing was moved."""
 
 
 class _Manager(ocp.CheckpointManager):
@@ -94,18 +114,19 @@ def own_checkpoints(run_dir: Path) -> Path | None:
     return directory if directory.is_dir() and _steps(directory) else None
 
 
-def restore(path: str | Path, abstract_state: Any, model: ModelConfig,
+def restore(path: str | Path, abstract_state: Any, config: dict,
             set_aside_in: Path | None = None) -> Restored:
     """The newest readable step under `path` (a run dir, its checkpoints/ or one step dir).
 
-    Steps found damaged are moved to `set_aside_in` (a run's own directory, so that it can save
+    `config`: this run's resolved config, to name what differs if the saved state does not fit.
+    Steps proven damaged are moved to `set_aside_in` (a run's own directory, so that it can save
     those step numbers again); other runs' directories are only read.
     """
     directory, steps = locate(path)
     manager = _reader(directory)
 
     def read(step: int) -> Restored:
-        _check_model(manager, step, directory, model)
+        _check_structure(manager, directory, step, abstract_state, config)
         items = manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
         return Restored(step, items.state, dict(items.data), directory / str(step))
@@ -117,11 +138,11 @@ def restore(path: str | Path, abstract_state: Any, model: ModelConfig,
 
 
 def load_params(path: str | Path, abstract_params: Any, shardings: Any,
-                model: ModelConfig | None = None) -> Any:
+                config: dict | None = None) -> Any:
     """Only the parameters of the newest readable step under `path`, in the given shardings.
 
     For fine-tuning (`checkpoint.init_params_from`), export and generation: the optimizer
-    state is not read. `model`, if given, is checked against the checkpoint's model config.
+    state is not read. `config`, if given, names what differs when the parameters do not fit.
     """
     directory, steps = locate(path)
     manager = _reader(directory)
@@ -129,8 +150,7 @@ def load_params(path: str | Path, abstract_params: Any, shardings: Any,
     restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), target)
 
     def read(step: int) -> Any:
-        if model is not None:
-            _check_model(manager, step, directory, model)
+        _check_structure(manager, directory, step, target, config, part="params")
         checkpointer = ocp.PyTreeCheckpointer()
         return checkpointer.restore(directory / str(step) / "state", args=ocp.args.PyTreeRestore(
             target, restore_args=restore_args, partial_restore=True))["params"]
@@ -163,9 +183,11 @@ def locate(path: str | Path) -> tuple[Path, list[int]]:
 
 def _reader(directory: Path) -> _Manager:
     # Never saves, so it writes nothing. (`read_only=True` would say the same in a warning line
-    # on every start.)
+    # on every start.) The handlers let it read each item's metadata without its arrays.
     options = ocp.CheckpointManagerOptions(create=False)
-    return _Manager(directory, options=options, item_names=ITEMS)
+    handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+                "config": ocp.JsonCheckpointHandler()}
+    return _Manager(directory, options=options, item_handlers=handlers)
 
 
 def _steps(directory: Path) -> list[int]:
@@ -175,42 +197,120 @@ def _steps(directory: Path) -> list[int]:
 
 def _newest_readable(directory: Path, steps: list[int],
                      read: Callable[[int], Any]) -> tuple[Any, list[int]]:
-    """Tries `read` from the newest step down; every process must succeed on the same step."""
+    """Tries `read` from the newest step down; every process must succeed on the same step.
+    Only a step proven damaged is passed over; any other error stops everything."""
     damaged: list[int] = []
     for i, step in enumerate(steps):
-        try:
-            result, error = read(step), None
-        except ConfigError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any failure to read means the step is unusable
-            result, error = None, e
-        if _everyone(error is None):
+        result, error = _read_with_retries(read, step)
+        outcome = "ok" if error is None else "damaged" if _proves_damage(error) else "failed"
+        outcomes = _gather(outcome)
+        if outcomes == {"ok"}:
             return result, damaged
+        if "failed" in outcomes:
+            reason = _first_line(error) if outcome == "failed" else "on another process"
+            raise StorageError(
+                f"could not read checkpoint step {step} in {directory} after {READ_ATTEMPTS} "
+                f"attempts ({reason}); nothing was moved: check the storage and start again.")
         damaged.append(step)
         fallback = f"falling back to step {steps[i + 1]}" if i + 1 < len(steps) else "none left"
         reason = _first_line(error) if error else "another process could not read it"
         log.warning("checkpoint step %d in %s is damaged or incomplete (%s); %s", step,
                     directory, reason, fallback)
-    raise ConfigError(f"no readable checkpoint in {directory} (steps {steps} are all damaged); "
-                      f"move the directory aside to start afresh or point "
-                      f"checkpoint.resume_from at a good one.")
+    raise ConfigError(f"no readable checkpoint in {directory} (steps {steps} are all damaged: "
+                      f"files missing or truncated); move the directory aside to start afresh "
+                      f"or point checkpoint.resume_from at a good one.")
 
 
-def _check_model(manager: _Manager, step: int, directory: Path, model: ModelConfig) -> None:
-    saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-    saved_model = saved.config["model"]
-    for key in SHAPE_KEYS:
-        if saved_model[key] != getattr(model, key):
-            raise ConfigError(
-                f"checkpoint {directory / str(step)} has model.{key}={saved_model[key]} but this "
-                f"run has model.{key}={getattr(model, key)}; use the same model settings.")
+def _read_with_retries(read: Callable[[int], Any], step: int) -> tuple[Any, Exception | None]:
+    for attempt in range(READ_ATTEMPTS):
+        try:
+            return read(step), None
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - sorted below into damage and everything else
+            if _proves_damage(e) or attempt + 1 == READ_ATTEMPTS:
+                return None, e
+            log.warning("reading checkpoint step %d failed (%s); retrying", step, _first_line(e))
+            time.sleep(RETRY_PAUSE_S * 2 ** attempt)
+    raise AssertionError("unreachable")
 
 
-def _everyone(ok: bool) -> bool:
-    """Whether `ok` holds on every process (they must agree on which step to restore)."""
+def _proves_damage(error: BaseException) -> bool:
+    """Whether `error` (or one it came from) says data is missing or not whole."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, (FileNotFoundError, json.JSONDecodeError, EOFError)):
+            return True
+        if str(seen).startswith(DAMAGE_CODES):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _check_structure(manager: _Manager, directory: Path, step: int, target: Any,
+                     config: dict | None, part: str | None = None) -> None:
+    """Before any array is read: the saved state (or its `part`) has the target's structure
+    and shapes, or the user hears which settings differ."""
+    saved_tree = dict(manager.item_metadata(step)["state"])
+    saved, wanted = _shapes(saved_tree), _shapes(target)
+    if part is not None:
+        saved = _only(saved, part)
+    if saved == wanted:
+        return
+    where = directory / str(step)
+    changed = _changed_settings(manager, step, config)
+    if changed:
+        what = "; ".join(f"{k}={a} there, {b} here" for k, a, b in changed)
+    else:
+        path = sorted(set(saved) ^ set(wanted) or
+                      [k for k in saved if saved[k] != wanted.get(k)])[0]
+        what = f"{path}: {saved.get(path, 'absent')} there, {wanted.get(path, 'absent')} here"
+    params_fit = part is None and _only(saved, "params") == _only(wanted, "params")
+    keep_params = (f", or take only its parameters with checkpoint.init_params_from={where}"
+                   if params_fit else "")
+    raise ConfigError(
+        f"checkpoint {where} was saved with other settings that change the train state's shape "
+        f"({what}); nothing was moved: continue it with the saved values or start afresh in "
+        f"another hydra.run.dir{keep_params}.")
+
+
+def _only(shapes: dict[str, tuple], part: str) -> dict[str, tuple]:
+    return {k: v for k, v in shapes.items() if k.startswith(part + "/")}
+
+
+def _shapes(tree: Any) -> dict[str, tuple]:
+    """{"opt_state/inner_state/1/0/mu/embedder/embedding": shape, ...} of arrays or metadata."""
+    def name(key) -> str:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                return str(getattr(key, attr))
+        return str(key)
+
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {"/".join(map(name, path)): tuple(leaf.shape) for path, leaf in leaves}
+
+
+def _changed_settings(manager: _Manager, step: int, config: dict | None) -> list[tuple]:
+    if config is None:
+        return []
+    saved = dict(manager.restore(step, args=ocp.args.Composite(
+        config=ocp.args.JsonRestore())).config)
+    changed = []
+    for dotted in STRUCTURE_KEYS:
+        section, key = dotted.split(".")
+        before, now = saved.get(section, {}).get(key), config[section][key]
+        if before != now:
+            changed.append((dotted, before, now))
+    return changed
+
+
+def _gather(outcome: str) -> set[str]:
+    """Every process's outcome (they must agree on which step to restore)."""
     if jax.process_count() == 1:
-        return ok
-    return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
+        return {outcome}
+    codes = ("ok", "damaged", "failed")
+    gathered = multihost_utils.process_allgather(np.array(codes.index(outcome)))
+    return {codes[int(c)] for c in np.ravel(gathered)}
 
 
 def _set_aside(directory: Path, steps: list[int], destination: Path) -> None:

@@ -11,12 +11,14 @@ from typing import Iterator, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
+from tunix_train.checkpoint import StorageError
 from tunix_train.config import CONFIG_DIR, Config, ConfigError
 
 log = logging.getLogger("tunix_train")
 
 EXIT_CONFIG_ERROR = 2
 EXIT_NON_FINITE = 3  # training.nan_policy=halt met a non-finite step (the watchdog exits 4)
+EXIT_STORAGE = 6  # a checkpoint could not be read, for a reason other than damage (5: init)
 
 
 def typed(cfg: DictConfig, overrides: Sequence[str] = ()) -> Config:
@@ -65,6 +67,13 @@ def compose(argv: Sequence[str]) -> Config:
         raise ConfigError(" ".join(str(error).split())) from None
 
 
+class BelowError(logging.Filter):
+    """Lets through what is not an error: the console on stdout leaves errors to stderr."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR
+
+
 def tool_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(levelname)s] %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr, force=True)
@@ -83,12 +92,16 @@ def user_errors() -> Iterator[None]:
     except FloatingPointError as error:  # the loop's NonFiniteLoss: the run, not the code, failed
         log.error("error: %s", error)
         sys.exit(EXIT_NON_FINITE)
+    except StorageError as error:
+        log.error("error: %s", error)
+        sys.exit(EXIT_STORAGE)
 
 
-def run_training(cfg: DictConfig, run_dir: str) -> None:
+def run_training(cfg: DictConfig, run_dir: str, hooks=None) -> None:
+    """`hooks`: tests/faulty_training.py's fault injection; run_training.py passes none."""
     from hydra.core.hydra_config import HydraConfig
 
-    from tunix_train.training.run import run  # after Hydra has set up logging and the run dir
+    from tunix_train.training.run import StepHooks, run  # after Hydra set up logging, run dir
 
     with user_errors():
-        run(typed(cfg, HydraConfig.get().overrides.task), Path(run_dir))
+        run(typed(cfg, HydraConfig.get().overrides.task), Path(run_dir), hooks or StepHooks())

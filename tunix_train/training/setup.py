@@ -23,6 +23,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from tunix_train import checkpoint
+from tunix_train import config as config_lib
 from tunix_train.analysis import costs
 from tunix_train.config import Config, ConfigError, TrainingConfig
 from tunix_train.data import pipeline
@@ -132,13 +133,15 @@ class Setup:
                         "ignored", run_dir)
         if own or cfg.resume_from:
             restored = checkpoint.restore(own or cfg.resume_from, self.state.with_shardings(),
-                                          self.cfg.model, set_aside_in=run_dir if own else None)
+                                          config_lib.to_dict(self.cfg),
+                                          set_aside_in=run_dir if own else None)
             data.set_state(restored.data_state)
             log.info("resuming from step %d (%s)", restored.step, restored.path)
             return restored.state
         if cfg.init_params_from:
             params = checkpoint.load_params(cfg.init_params_from, self.params.abstract,
-                                            self.params.shardings, self.cfg.model)
+                                            self.params.shardings,
+                                            config_lib.to_dict(self.cfg))
             log.info("parameters from %s; step and optimizer state start afresh",
                      cfg.init_params_from)
             return self.state.around(params, self.optimizer)
