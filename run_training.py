@@ -5,12 +5,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from tunix_train import cli
-from tunix_train.config import register_configs
+from tunix_train.config import CONFIG_DIR, register_configs
 
 register_configs()
 
 
-@hydra.main(config_path="configs", config_name="config", version_base=None)
+@hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
     cli.run_training(cfg, HydraConfig.get().runtime.output_dir)
 

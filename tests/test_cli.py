@@ -47,14 +47,14 @@ def test_default_run_dir_is_outputs_experiment_date_time(tmp_path):
      "model.num_heads=6 is not divisible by tp=4"),
     ([mesh_arg(8, 1), "training.global_batch_size=12"],
      "training.global_batch_size=12 does not divide over fsdp=8"),
-    (["data.seq_len=0"], "data.seq_len must be positive"),
+    (["data.seq_len=0"], "data.seq_len=0 is out of range: it must be at least 1."),
 ])
 def test_bad_input_is_one_sentence_and_a_nonzero_exit(tmp_path, overrides, message):
     result = run_cli([*TINY, *overrides, f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path,
                      env_extra=EIGHT_DEVICES)
     output = result.stdout + result.stderr
     assert result.returncode != 0
-    assert message in output
+    assert message in result.stderr  # where `python run_training.py > log` still shows it
     assert "Traceback" not in output
 
 
@@ -63,3 +63,48 @@ def test_unknown_model_name_fails_with_the_available_ones(tmp_path):
     assert result.returncode != 0
     assert "Could not find 'model/gemma3_2b'" in result.stderr
     assert "gemma3_1b" in result.stderr  # Hydra lists the available options
+
+
+BAD_VALUES = [
+    "optimizer.lr=-1", "optimizer.lr=0", "optimizer.b1=1.0", "optimizer.b2=-0.1",
+    "optimizer.eps=0", "optimizer.grad_clip=-1", "optimizer.weight_decay=-0.1",
+    "optimizer.warmup_steps=-5", "optimizer.min_lr_ratio=1.5", "training.steps=0",
+    "training.seed=-1", "training.micro_batch_size=0", "training.global_batch_size=0",
+    "training.gradient_accumulation_steps=0", "training.sync_gradients_every=0",
+    "training.zero_stage=5", "training.loss_vocab_chunk=0", "training.eval_every_steps=-1",
+    "data.seq_len=0", "data.validation_fraction=1.0", "data.eval_batches=0", "data.prefetch=-1",
+    "checkpoint.keep=0", "checkpoint.every_steps=-2", "logging.every_steps=0",
+    "logging.peak_tflops=0", "model.rms_norm_eps=0", "model.num_layers=0",
+    "model.sliding_window=-3", "distributed.step_timeout_s=0",
+]
+
+
+@pytest.fixture(scope="module")
+def bad_value_runs(tmp_path_factory) -> dict:
+    """Each bad value through run_training.py's entry point (tests/bad_values_worker.py)."""
+    import subprocess
+    import sys
+
+    from helpers import REPO, cli_env
+
+    base = tmp_path_factory.mktemp("bad_values")
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "bad_values_worker.py"),
+         json.dumps([str(base), BAD_VALUES])],
+        cwd=base, env=cli_env(None), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = [json.loads(line) for line in result.stdout.splitlines()]
+    return {run["override"]: run for run in runs}
+
+
+@pytest.mark.parametrize("override", BAD_VALUES)
+def test_a_bad_value_is_one_sentence_on_stderr_before_any_work(override, bad_value_runs):
+    run = bad_value_runs[override]
+    assert run["code"] == 2
+    [line] = run["stderr"].strip().splitlines()
+    key, value = override.split("=")
+    assert f"error: {key}=" in line and " is out of range: it must be " in line
+    assert float(line.split(f"{key}=")[1].split()[0]) == float(value)
+    assert "error" not in run["stdout"]  # stdout may go to a file; the sentence must not hide there
+    # Nothing ran before the check: the run's log holds that one line, no devices, no data.
+    assert run["log"].strip().splitlines() == [line]

@@ -1,3 +1,6 @@
+import dataclasses
+import typing
+
 import pytest
 from hydra.errors import ConfigCompositionException
 
@@ -35,9 +38,9 @@ def test_unknown_model_is_a_composition_error():
 
 
 @pytest.mark.parametrize("override,match", [
-    ("data.seq_len=0", "data.seq_len must be positive"),
+    ("data.seq_len=0", "data.seq_len=0 is out of range: it must be at least 1."),
     ("training.mixed_precision=fp8", "training.mixed_precision='fp8' is not one of"),
-    ("training.zero_stage=4", "training.zero_stage=4 must be"),
+    ("training.zero_stage=4", r"training.zero_stage=4 is out of range: it must be in \[0, 3\]"),
     ("model.num_kv_heads=3", "model.num_heads=4 must be a multiple of model.num_kv_heads=3"),
     ("training.sync_gradients_every=3", "must divide training.gradient_accumulation_steps"),
 ])
@@ -69,3 +72,34 @@ def test_an_installed_package_carries_every_config_file():
     files = [p.relative_to(REPO).as_posix() for p in (REPO / "configs").rglob("*.yaml")]
     assert files and all(any(fnmatch.fnmatch(f, p) and f.count("/") == p.count("/")
                              for p in patterns) for f in files), files
+
+
+def numeric_keys() -> list[tuple[str, str]]:
+    keys = []
+    for section in dataclasses.fields(config_lib.Config):
+        hints = typing.get_type_hints(section.default_factory)
+        for key, hint in hints.items():
+            if {int, float} & ({hint} | set(typing.get_args(hint))):
+                keys.append((section.name, key))
+    return keys
+
+
+def test_every_numeric_key_has_an_allowed_range():
+    missing = [f"{s}.{k}" for s, k in numeric_keys() if (s, k) not in config_lib._RANGES]
+    assert not missing, f"no range for {missing}"
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("optimizer.lr=-1", "optimizer.lr=-1.0 is out of range: it must be above 0."),
+    ("optimizer.b1=1.0", "optimizer.b1=1.0 is out of range: it must be in [0, 1)."),
+    ("data.validation_fraction=1", "data.validation_fraction=1.0 is out of range: it must be in "
+                                   "(0, 1)."),
+    ("training.zero_stage=-1", "training.zero_stage=-1 is out of range: it must be in [0, 3]."),
+    ("checkpoint.every_steps=-2", "checkpoint.every_steps=-2 is out of range: it must be at "
+                                  "least 0."),
+    ("logging.peak_tflops=0", "logging.peak_tflops=0.0 is out of range: it must be above 0."),
+])
+def test_a_value_out_of_range_is_one_sentence_with_key_value_and_range(override, expected):
+    with pytest.raises(ConfigError) as error:
+        config_lib.validate(compose_config(override))
+    assert str(error.value) == expected

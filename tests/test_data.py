@@ -272,7 +272,7 @@ def _bad_inputs(corpus, tmp):
 @pytest.mark.parametrize("override,match", [
     ("data.packing=greedy", "data.packing='greedy' is not one of concat, first_fit"),
     ("data.dtype=int8", "data.dtype='int8' is not one of uint16, uint32"),
-    ("data.validation_fraction=0", "data.validation_fraction=0.0 must be between 0 and 1"),
+    ("data.validation_fraction=0", r"data.validation_fraction=0.0 is out of range: it must be in \(0, 1\)"),
     ("data.prompt_field=q", "data.prompt_field and data.response_field go together"),
     ("data.name=csv", "data.name='csv' is not one of builtin, text, jsonl, parquet, tokens"),
     ("data.tokenizer=tiktoken:x", "data.tokenizer='tiktoken:x' is not byte, sentencepiece:"),

@@ -57,3 +57,67 @@ def test_tp_spanning_processes_stays_inside_a_node_or_warns(caplog):
     with caplog.at_level(logging.WARNING):
         mesh_lib._device_grid(shape, devices, per_node=1)  # a node is one 2-device process
     assert "tp=4 across nodes of 2 devices" in caplog.text
+
+
+def test_rendezvous_survives_a_silent_connection(monkeypatch):
+    """A peer that connects and says nothing (a port scanner, a stuck launcher) must not block
+    node 0's launcher: it is dropped after the greeting timeout and the real peer still joins."""
+    import socket
+    import threading
+
+    from tunix_train.parallel import rendezvous
+
+    monkeypatch.setattr(rendezvous, "_GREETING_S", 0.5)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    served = {}
+    server = threading.Thread(target=lambda: served.update(run_dir=rendezvous.exchange_run_dir(
+        "127.0.0.1", port, 0, 1, 2, "/runs/x", timeout_s=30)))
+    server.start()
+    silent = None
+    for _ in range(100):  # until the server listens
+        try:
+            silent = socket.create_connection(("127.0.0.1", port), timeout=1)
+            break
+        except OSError:
+            threading.Event().wait(0.05)
+    assert silent is not None
+    with silent:
+        fetched = rendezvous.exchange_run_dir("127.0.0.1", port, 1, 1, 2, "", timeout_s=30)
+        server.join(timeout=30)
+    assert fetched == served["run_dir"] == "/runs/x"
+
+
+def test_a_child_of_the_launcher_dies_with_it_even_on_sigkill(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    child = ("import os, time; from tunix_train.parallel.distributed import die_with_launcher; "
+             f"die_with_launcher(); open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
+             "time.sleep(600)")
+    launcher = ("import os, subprocess, sys, time; env = dict(os.environ, "
+                f"TUNIX_TRAIN_LAUNCHER=str(os.getpid())); subprocess.Popen([sys.executable, '-c', "
+                f"{child!r}], env=env, start_new_session=True); time.sleep(600)")
+    parent = subprocess.Popen([sys.executable, "-c", launcher])
+    try:
+        for _ in range(600):
+            if pid_file.exists() and pid_file.read_text():
+                break
+            time.sleep(0.1)
+        child_pid = int(pid_file.read_text())
+    finally:
+        parent.kill()
+        parent.wait()
+    for _ in range(100):  # the kernel delivers the parent-death signal at once
+        try:
+            os.kill(child_pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(child_pid, signal.SIGKILL)
+    raise AssertionError("the launcher's child outlived it")

@@ -11,6 +11,7 @@ Every default is on this screen with its unit.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -186,6 +187,34 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 # Validation that needs no devices. Checks that need the mesh live in mesh.py and sharding.py.
 
+
+@dataclass(frozen=True)
+class _Range:
+    """Allowed values of a numeric key; `None` values pass (they mean "not set")."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False  # low itself excluded
+    high_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def __str__(self) -> str:
+        if self.high == math.inf:
+            return f"{'above' if self.low_open else 'at least'} {self.low:g}"
+        return (f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}"
+                f"{')' if self.high_open else ']'}")
+
+
+_POSITIVE = _Range(0, low_open=True)
+_NATURAL = _Range(0)  # 0 allowed
+_COUNT = _Range(1)  # a count of at least one
+_FRACTION = _Range(0, 1)
+_BETA = _Range(0, 1, high_open=True)
+
 _CHOICES = {
     ("training", "mixed_precision"): ("auto", "bf16", "fp32"),
     ("training", "remat"): ("none", "full", "save_dots"),
@@ -198,31 +227,48 @@ _CHOICES = {
     ("export", "dtype"): ("bfloat16", "float32"),
 }
 
-_POSITIVE = (
-    ("model", "num_layers"), ("model", "embed_dim"), ("model", "hidden_dim"),
-    ("model", "num_heads"), ("model", "num_kv_heads"), ("model", "head_dim"),
-    ("model", "vocab_size"), ("model", "sliding_window"), ("model", "global_every"),
-    ("data", "seq_len"), ("data", "eval_batches"), ("training", "steps"),
-    ("training", "micro_batch_size"), ("training", "gradient_accumulation_steps"),
-    ("training", "loss_vocab_chunk"),
-    ("logging", "every_steps"),
-    ("checkpoint", "keep"), ("distributed", "step_timeout_s"), ("generate", "max_new_tokens"),
-    ("plan", "device_memory_gb"),
-)
+_RANGES = {
+    ("model", "num_layers"): _COUNT, ("model", "embed_dim"): _COUNT,
+    ("model", "hidden_dim"): _COUNT, ("model", "num_heads"): _COUNT,
+    ("model", "num_kv_heads"): _COUNT, ("model", "head_dim"): _COUNT,
+    ("model", "vocab_size"): _COUNT, ("model", "sliding_window"): _COUNT,
+    ("model", "global_every"): _COUNT, ("model", "local_rope_base"): _POSITIVE,
+    ("model", "global_rope_base"): _POSITIVE, ("model", "global_rope_scale"): _POSITIVE,
+    ("model", "query_pre_attn_scalar"): _POSITIVE, ("model", "rms_norm_eps"): _POSITIVE,
+    ("data", "seq_len"): _COUNT, ("data", "max_corpus_bytes"): _COUNT,
+    ("data", "validation_fraction"): _Range(0, 1, low_open=True, high_open=True),
+    ("data", "eval_batches"): _COUNT, ("data", "prefetch"): _NATURAL,
+    ("optimizer", "lr"): _POSITIVE, ("optimizer", "warmup_steps"): _NATURAL,
+    ("optimizer", "min_lr_ratio"): _FRACTION, ("optimizer", "weight_decay"): _NATURAL,
+    ("optimizer", "grad_clip"): _NATURAL, ("optimizer", "b1"): _BETA,
+    ("optimizer", "b2"): _BETA, ("optimizer", "eps"): _POSITIVE,
+    ("training", "steps"): _COUNT, ("training", "seed"): _NATURAL,
+    ("training", "micro_batch_size"): _COUNT, ("training", "global_batch_size"): _COUNT,
+    ("training", "gradient_accumulation_steps"): _COUNT,
+    ("training", "sync_gradients_every"): _COUNT, ("training", "zero_stage"): _Range(0, 3),
+    ("training", "loss_vocab_chunk"): _COUNT, ("training", "eval_every_steps"): _NATURAL,
+    ("checkpoint", "every_steps"): _NATURAL, ("checkpoint", "keep"): _COUNT,
+    ("logging", "every_steps"): _COUNT, ("logging", "peak_tflops"): _POSITIVE,
+    ("generate", "max_new_tokens"): _COUNT, ("generate", "temperature"): _NATURAL,
+    ("generate", "top_k"): _NATURAL, ("generate", "seed"): _NATURAL,
+    ("generate", "eos_id"): _Range(-1),
+    ("export", "max_shard_gb"): _POSITIVE,
+    ("distributed", "init_timeout_s"): _COUNT, ("distributed", "heartbeat_timeout_s"): _COUNT,
+    ("distributed", "step_timeout_s"): _COUNT,
+    ("plan", "device_memory_gb"): _POSITIVE, ("plan", "num_devices"): _COUNT,
+}
 
 
 def validate(cfg: Config) -> None:
     """Raises ConfigError for the first mistake found, before any device work."""
-    for section, key in _POSITIVE:
+    for (section, key), allowed in _RANGES.items():
         value = getattr(getattr(cfg, section), key)
-        if value <= 0:
-            raise ConfigError(f"{section}.{key} must be positive, got {value}.")
+        if value is not None and value not in allowed:
+            raise ConfigError(f"{section}.{key}={value} is out of range: it must be {allowed}.")
     for (section, key), allowed in _CHOICES.items():
         value = getattr(getattr(cfg, section), key)
         if value not in allowed:
             raise ConfigError(f"{section}.{key}={value!r} is not one of {', '.join(allowed)}.")
-    if cfg.training.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"training.zero_stage={cfg.training.zero_stage} must be 0, 1, 2 or 3.")
     m = cfg.model
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(
@@ -231,7 +277,7 @@ def validate(cfg: Config) -> None:
         )
     _validate_data(cfg.data)
     accum, sync = cfg.training.gradient_accumulation_steps, cfg.training.sync_gradients_every
-    if sync <= 0 or accum % sync:
+    if accum % sync:
         raise ConfigError(
             f"training.sync_gradients_every={sync} must divide "
             f"training.gradient_accumulation_steps={accum}."
@@ -240,20 +286,12 @@ def validate(cfg: Config) -> None:
 
 
 def _validate_checkpoint(c: CheckpointConfig) -> None:
-    if c.every_steps < 0:
-        raise ConfigError(f"checkpoint.every_steps={c.every_steps} must be 0 (only at the end) "
-                          f"or positive.")
     if c.resume_from and c.init_params_from:
         raise ConfigError("checkpoint.resume_from and checkpoint.init_params_from are both set; "
                           "keep resume_from to continue a run or init_params_from to fine-tune.")
 
 
 def _validate_data(data: DataConfig) -> None:
-    if not 0 < data.validation_fraction < 1:
-        raise ConfigError(f"data.validation_fraction={data.validation_fraction} must be between 0 "
-                          f"and 1 (exclusive).")
     if (data.prompt_field is None) != (data.response_field is None):
         raise ConfigError("data.prompt_field and data.response_field go together (SFT); set both "
                           "or neither.")
-    if data.prefetch < 0:
-        raise ConfigError(f"data.prefetch={data.prefetch} must be 0 or more.")

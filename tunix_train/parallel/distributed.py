@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import sys
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ from typing import Mapping, Sequence
 import jax
 
 from tunix_train.config import ConfigError, DistributedConfig
+from tunix_train.parallel.launcher import LAUNCHER_ENV
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +61,23 @@ def discover(env: Mapping[str, str] = os.environ) -> Job:
     return Job("single")
 
 
+def die_with_launcher(env: Mapping[str, str] = os.environ) -> None:
+    """Under our launcher: this process gets SIGKILL when the launcher dies, however it dies
+    (Linux's parent-death signal, set here rather than in a preexec_fn)."""
+    launcher = env.get(LAUNCHER_ENV)
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != int(launcher):  # the launcher died before the line above
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def initialize(cfg: DistributedConfig) -> Job:
     """Initialises jax.distributed for a multi-process job; checks the devices match."""
+    die_with_launcher()
     job = discover()
     if job.source == "single":
         return job

@@ -28,6 +28,8 @@ from pathlib import Path
 
 from tunix_train.parallel.rendezvous import exchange_run_dir
 
+LAUNCHER_ENV = "TUNIX_TRAIN_LAUNCHER"  # the launcher's pid, in each child's environment
+
 log = logging.getLogger("tunix_train.launch")
 
 POLL_S = 0.2
@@ -100,14 +102,6 @@ def _composed_run_dir(overrides: list[str]) -> tuple[str, int]:
             int(OmegaConf.select(cfg, "distributed.init_timeout_s")))
 
 
-def kill_with_parent() -> None:
-    """In the child, before exec: die with the launcher, even if it is SIGKILLed."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def forward_output(child: subprocess.Popen, prefix: str) -> None:
     """Copies the child's stdout/stderr to ours, each line (or progress-bar redraw) prefixed."""
     for source, sink in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
@@ -132,7 +126,9 @@ def child_env(job: NodeJob, local_rank: int) -> dict[str, str]:
     env.update(MASTER_ADDR=job.master_addr, MASTER_PORT=str(job.master_port),
                WORLD_SIZE=str(job.world_size), RANK=str(job.first_rank + local_rank),
                LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(job.nprocs),
-               PYTHONUNBUFFERED="1", TUNIX_TRAIN_LAUNCHER="1")
+               PYTHONUNBUFFERED="1")
+    # The child dies with this launcher, even a SIGKILLed one (distributed.die_with_launcher).
+    env[LAUNCHER_ENV] = str(os.getpid())
     return env
 
 
@@ -141,9 +137,10 @@ def start(script: str, overrides: list[str], run_dir: str, job: NodeJob) -> list
     command = [sys.executable, script, *args, f"hydra.run.dir={run_dir}"]
     children = []
     for local_rank in range(job.nprocs):
+        # A session of its own: a Ctrl-C in the terminal reaches the launcher, which forwards
+        # it once. (No preexec_fn: unsafe while the output-relay threads run.)
         child = subprocess.Popen(command, env=child_env(job, local_rank), stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, start_new_session=True,
-                                 preexec_fn=kill_with_parent)
+                                 stderr=subprocess.PIPE, start_new_session=True)
         forward_output(child, f"[rank {job.first_rank + local_rank}] ")
         children.append(child)
     return children

@@ -16,6 +16,7 @@ import time
 log = logging.getLogger("tunix_train.launch")
 
 _POLL_S = 0.5
+_GREETING_S = 10  # a connected launcher sends its line at once; longer is not one of ours
 
 
 def exchange_run_dir(addr: str, port: int, first_rank: int, nprocs: int, world_size: int,
@@ -38,18 +39,33 @@ def _serve(port: int, nprocs: int, world_size: int, run_dir: str, timeout_s: int
                     f"the launcher on every node with the same MASTER_ADDR, MASTER_PORT and "
                     f"WORLD_SIZE.")
             try:
-                conn, _ = server.accept()
+                conn, peer = server.accept()
             except TimeoutError:
                 continue
-            hello = json.loads(conn.makefile().readline())
+            hello = _read_hello(conn, deadline)
+            if hello is None:  # silent, or not one of our launchers: the others may still come
+                log.warning("launcher: ignored a connection from %s that sent no greeting", peer)
+                conn.close()
+                continue
             log.info("launcher: ranks %d-%d joined", hello["first_rank"],
                      hello["first_rank"] + hello["nprocs"] - 1)
             peers.append(conn)
             joined += hello["nprocs"]
     for conn in peers:
         with conn:
+            conn.settimeout(_GREETING_S)
             conn.sendall((json.dumps({"run_dir": run_dir}) + "\n").encode())
     return run_dir
+
+
+def _read_hello(conn: socket.socket, deadline: float) -> dict | None:
+    """A joining launcher's one-line greeting, or None if none comes in time or it is garbled."""
+    conn.settimeout(max(min(deadline - time.monotonic(), _GREETING_S), _POLL_S))
+    try:
+        hello = json.loads(conn.makefile().readline())
+        return hello if {"first_rank", "nprocs"} <= set(hello) else None
+    except (TimeoutError, OSError, ValueError, TypeError):
+        return None
 
 
 def _fetch(addr: str, port: int, first_rank: int, nprocs: int, timeout_s: int) -> str:

@@ -19,6 +19,7 @@ import jax
 
 from tunix_train.analysis.costs import StepCosts
 from tunix_train.config import LoggingConfig
+from tunix_train.parallel.launcher import LAUNCHER_ENV
 
 log = logging.getLogger("tunix_train")
 
@@ -32,7 +33,7 @@ def setup_process_logging(process_index: int) -> None:
         return
     root = logging.getLogger()
     root.setLevel(logging.WARNING)
-    launcher_prefixes = os.environ.get("TUNIX_TRAIN_LAUNCHER") == "1"
+    launcher_prefixes = bool(os.environ.get(LAUNCHER_ENV))
     for handler in root.handlers:
         if launcher_prefixes and not isinstance(handler, logging.FileHandler):
             continue
