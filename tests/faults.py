@@ -1,15 +1,15 @@
-"""Fault injection for tests: a poisoned batch, a hung step, a kill mid-save, slow steps.
+"""Fault injection for the tests: a poisoned batch, a hung step, SIGKILL mid-step or mid-save.
 
-Read once at start-up from the environment variable `TUNIX_TRAIN_FAULTS` (JSON), so a normal
-run pays one dict lookup and a few integer comparisons per step. Not a user feature: it lets the
-end-to-end tests drive the real CLI into the failures that checkpointing, the NaN policy and
-the watchdog exist for. Steps are 1-based, as logged ("step 6/10" is the update that makes
-the state's step 6).
+Only `tests/faulty_training.py` (run_training.py with these hooks) reads the variable below;
+`python run_training.py` and the package never do. Steps are 1-based, as logged ("step 6/10" is
+the update that makes the state's step 6).
 
-    TUNIX_TRAIN_FAULTS='{"nan_at_step": 6}'            # that step's batch has NaN loss weights
-    TUNIX_TRAIN_FAULTS='{"hang_at_step": 3}'           # the host stops after step 3
-    TUNIX_TRAIN_FAULTS='{"kill_in_save_at_step": 4}'   # SIGKILL while step 4's save is in flight
-    TUNIX_TRAIN_FAULTS='{"step_delay_s": 0.3}'         # every step takes 0.3 s longer
+    FAULTS='{"nan_at_step": 6}'            # that step's batch has NaN loss weights
+    FAULTS='{"hang_at_step": 3}'           # the host stops after step 3
+    FAULTS='{"kill_at_step": 5}'           # SIGKILL while step 5 runs on the device
+    FAULTS='{"kill_in_save_at_step": 4}'   # SIGKILL while step 4's save is in flight
+    FAULTS='{"pause_at_step": 2, "resume_file": "/tmp/go"}'  # wait after step 2 for the file
+    FAULTS='{"log_steps": true}'           # a line per dispatched step
 """
 
 from __future__ import annotations
@@ -22,21 +22,30 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 
-ENV = "TUNIX_TRAIN_FAULTS"
+from tunix_train.training.loop import StepHooks
+
+ENV = "TUNIX_TRAIN_TEST_FAULTS"
 log = logging.getLogger("tunix_train")
 
 
 @dataclass(frozen=True)
-class Faults:
+class Faults(StepHooks):
     nan_at_step: Optional[int] = None
     hang_at_step: Optional[int] = None
+    kill_at_step: Optional[int] = None
     kill_in_save_at_step: Optional[int] = None
-    step_delay_s: float = 0.0
+    pause_at_step: Optional[int] = None
+    resume_file: Optional[str] = None
+    log_steps: bool = False
 
-    def batch(self, step: int, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    @classmethod
+    def from_env(cls) -> "Faults":
+        text = os.environ.get(ENV)
+        return cls(**json.loads(text)) if text else cls()
+
+    def batch(self, step: int, batch: dict) -> dict:
         """NaN weights make the loss and every gradient NaN: a non-finite step, on demand."""
         if step != self.nan_at_step:
             return batch
@@ -44,8 +53,16 @@ class Faults:
         return {**batch, "weights": batch["weights"] * jnp.nan}  # keeps the sharding
 
     def after_step(self, step: int) -> None:
-        if self.step_delay_s:
-            time.sleep(self.step_delay_s)
+        if self.log_steps:
+            log.info("fault injection: step %d dispatched", step)
+        if step == self.kill_at_step:
+            log.warning("fault injection: SIGKILL while step %d runs", step)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == self.pause_at_step:
+            log.warning("fault injection: paused after step %d until %s exists", step,
+                        self.resume_file)
+            while not os.path.exists(self.resume_file):
+                time.sleep(0.05)
         if step == self.hang_at_step:
             log.warning("fault injection: hanging after step %d", step)
             _hang()
@@ -60,8 +77,3 @@ class Faults:
 def _hang() -> None:
     while True:
         time.sleep(3600)
-
-
-def load() -> Faults:
-    text = os.environ.get(ENV)
-    return Faults(**json.loads(text)) if text else Faults()

@@ -102,3 +102,23 @@ def test_mesh_axis_names_are_spelled_in_the_mesh_module_alone():
                for node in ast.walk(ast.parse(path.read_text()))
                if isinstance(node, ast.Constant) and node.value in ("fsdp", "tp")}
     assert spelled == {"tunix_train.parallel.mesh"}
+
+
+def _code_strings(tree: ast.AST) -> list[str]:
+    """String constants of a module, docstrings left out."""
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)}
+    return [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)
+            and isinstance(node.value, str) and id(node) not in docstrings]
+
+
+def test_no_production_code_can_switch_on_fault_injection():
+    """Faults reach a run only through tests/faulty_training.py: the package neither names a
+    fault variable nor imports the tests' hooks."""
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        assert not [s for s in _code_strings(tree) if "FAULT" in s.upper().replace("DEFAULT", "")], path
+        imported = {alias.name for node in ast.walk(tree)
+                    if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+        assert "faults" not in imported and "Faults" not in imported, path

@@ -4,9 +4,10 @@ Host↔device traffic is deliberate:
 - After dispatching step s the host waits for step s-1 (it has finished or is about to), never
   for step s itself: the device always has the next step queued, the host never runs more than
   one step ahead (so the watchdog times real steps), and no transfer is made.
-- Metrics of a logged step are fetched after the next step is dispatched (one step late).
-- Before a save, every step up to it is checked for non-finite values, so a checkpoint never
-  holds a state that `training.nan_policy=halt` would have refused.
+- Every step's metrics are fetched after the next step is dispatched (one step late, when they
+  are ready) and checked for non-finite values: `training.nan_policy=halt` stops at most one
+  step after a bad one. Before a save the saved step itself is checked too, so a checkpoint never
+  holds a state that `halt` would have refused.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from tunix_train.checkpoint import Checkpoints
 from tunix_train.config import LoggingConfig, TrainingConfig
 from tunix_train.data.pipeline import GlobalBatches
 from tunix_train.training import optim
-from tunix_train.training.faults import Faults
 from tunix_train.training.metrics import MetricsWriter, Throughput, format_line
 from tunix_train.training.preemption import PreemptionSignal
 from tunix_train.training.watchdog import Watchdog
@@ -35,6 +35,20 @@ class NonFiniteLoss(FloatingPointError):
     """training.nan_policy=halt met a non-finite step; the message names it."""
 
 
+class StepHooks:
+    """Points in the loop where the tests inject failures (tests/faults.py). A real run uses
+    these no-ops: nothing in the package can switch them on. Steps are 1-based, as logged."""
+
+    def batch(self, step: int, batch: dict) -> dict:
+        return batch
+
+    def after_step(self, step: int) -> None:
+        """Step `step` is dispatched and step - 1 has finished."""
+
+    def after_save_started(self, step: int) -> None:
+        """The save of `step` is in flight."""
+
+
 @dataclass
 class Loop:
     train_step: Callable
@@ -42,7 +56,7 @@ class Loop:
     evaluate: Callable[[Any], float]
     writer: MetricsWriter
     checkpoints: Checkpoints
-    faults: Faults
+    hooks: StepHooks
     training: TrainingConfig
     logging: LoggingConfig
     step_timeout_s: float  # distributed.step_timeout_s
@@ -69,24 +83,23 @@ class Loop:
 
     def _step(self, state, step: int, watchdog: Watchdog):
         previous = self._unchecked[-1][1]["loss"] if self._unchecked else None
-        state, metrics = self.train_step(state, self.faults.batch(step, next(self.data)))
+        state, metrics = self.train_step(state, self.hooks.batch(step, next(self.data)))
         if previous is not None:
             jax.block_until_ready(previous)  # step-1 is done; step is queued behind it
         watchdog.beat(step)
-        self.faults.after_step(step)
+        self.hooks.after_step(step)
         self._unchecked.append((step, metrics))
         self.summary["final_step"] = step
         return state
 
     def _after_step(self, state, step: int, stop: bool, watchdog: Watchdog) -> None:
         save = stop or self.checkpoints.due(step) or step == self.training.steps
-        if self._log_due(step - 1):
-            self._check(up_to=step - 1)
+        self._check(up_to=step - 1)  # finished: fetching its few scalars costs no wait
         if save:
             self._check(up_to=step)  # waits for this step: still timed by the watchdog
             with watchdog.paused():
                 self._save(state, step)
-        if self._eval_due(step):
+        if self._eval_due(step) and not stop:  # the grace period is for saving
             with watchdog.paused():
                 eval_loss = self.evaluate(state["params"])
             self.writer.scalars(step, {"loss": eval_loss}, group="eval")
@@ -138,4 +151,4 @@ class Loop:
     def _save(self, state, step: int) -> None:
         if self.checkpoints.save(step, state, self.data.get_state(), self.saved_config):
             log.info("checkpoint of step %d started", step)
-            self.faults.after_save_started(step)
+            self.hooks.after_save_started(step)

@@ -15,9 +15,8 @@ from tunix_train.analysis import flops, profiling
 from tunix_train.checkpoint import Checkpoints
 from tunix_train.config import Config
 from tunix_train.parallel import distributed
-from tunix_train.training import faults as faults_lib
 from tunix_train.training import state as state_lib
-from tunix_train.training.loop import Loop
+from tunix_train.training.loop import Loop, StepHooks
 from tunix_train.training.metrics import (MetricsWriter, Throughput, report_costs,
                                           setup_process_logging)
 from tunix_train.training.setup import Setup
@@ -25,11 +24,11 @@ from tunix_train.training.setup import Setup
 log = logging.getLogger("tunix_train")
 
 
-def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
+def run(cfg: Config, run_dir: Path, hooks: StepHooks = StepHooks()) -> dict[str, Any]:
+    """`hooks`: the tests' fault injection (tests/faulty_training.py); a run has none."""
     config_lib.validate(cfg)
     job = distributed.initialize(cfg.distributed)
     setup_process_logging(jax.process_index())
-    faults = faults_lib.load()
     setup = Setup.create(cfg, processes_per_node=job.local_world_size)
     data = setup.open_data()
     state = setup.initial_state(run_dir, data.train)
@@ -43,7 +42,7 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
     checkpoints = Checkpoints(run_dir, cfg.checkpoint)  # after a restore set damaged steps aside
     try:
         with writer.console():
-            loop = _loop(setup, train_step, data.train, evaluate, writer, checkpoints, faults,
+            loop = _loop(setup, train_step, data.train, evaluate, writer, checkpoints, hooks,
                          first_step)
             state, summary = loop.run(state, first_step)
             if not summary["preempted"]:  # the grace period is for saving, not evaluating
@@ -64,12 +63,12 @@ def _compiled_train_step(setup: Setup, writer: MetricsWriter, run_dir: Path) -> 
     return compiled
 
 
-def _loop(setup: Setup, train_step, data, evaluate, writer, checkpoints, faults,
+def _loop(setup: Setup, train_step, data, evaluate, writer, checkpoints, hooks: StepHooks,
           first_step: int) -> Loop:
     cfg = setup.cfg
     mfu_factor = flops.mfu_per_token_per_s(cfg.model, cfg.data.seq_len, cfg.logging,
                                            jax.devices())
-    return Loop(train_step, data, evaluate, writer, checkpoints, faults, cfg.training,
+    return Loop(train_step, data, evaluate, writer, checkpoints, hooks, cfg.training,
                 cfg.logging, cfg.distributed.step_timeout_s,
                 Throughput(first_step, setup.tokens_per_step, mfu_factor),
                 config_lib.to_dict(cfg))

@@ -1,0 +1,28 @@
+"""run_training.py with the tests' fault injection (tests/faults.py): for the tests only.
+
+    TUNIX_TRAIN_TEST_FAULTS='{"nan_at_step": 6}' python tests/faulty_training.py [overrides]
+"""
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/faults.py
+
+from faults import Faults  # noqa: E402
+from tunix_train import cli  # noqa: E402
+from tunix_train.config import CONFIG_DIR, register_configs  # noqa: E402
+
+register_configs()
+
+
+@hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base=None)
+def main(cfg: DictConfig) -> None:
+    cli.run_training(cfg, HydraConfig.get().runtime.output_dir, hooks=Faults.from_env())
+
+
+if __name__ == "__main__":
+    main()
