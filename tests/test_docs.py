@@ -85,3 +85,18 @@ def test_models_guide_sampler_snippet_runs():
     exec(compile(script, str(page), "exec"), scope)
     assert [len(c) for c in scope["completions"]] == [8, 8]
     assert all(0 <= i < 512 for c in scope["completions"] for i in c)
+
+
+def test_ci_runs_exactly_readmes_test_command_and_it_installs_the_parity_reference():
+    import tomllib
+
+    readme = (REPO / "README.md").read_text()
+    [command] = [line for line in readme.splitlines() if "python -m pytest" in line]
+    ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines()
+          if line and not line.startswith("#")]
+    assert ci[-1] == command
+    assert not [line for line in ci if "pip install" in line and line != command
+                and "--upgrade pip" not in line]  # nothing installed beside it
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert {"torch", "transformers"} <= {r.split("=")[0].split(">")[0] for r in extras["test"]}

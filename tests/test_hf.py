@@ -8,17 +8,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-pytest.importorskip("torch", reason="the parity tests need the `hf` extra (torch, transformers)")
-pytest.importorskip("transformers", reason="the parity tests need the `hf` extra")
-
-import hf_reference  # noqa: E402
-from helpers import compose_config, mesh_arg  # noqa: E402
-from tunix_train import cli  # noqa: E402
-from tunix_train.config import ConfigError  # noqa: E402
-from tunix_train.export import export  # noqa: E402
-from tunix_train.inference.sampler import Sampler, SamplingOptions  # noqa: E402
-from tunix_train.models import hf_weights  # noqa: E402
-from tunix_train.training.setup import Setup  # noqa: E402
+import hf_reference
+from helpers import compose_config, mesh_arg
+from tunix_train import cli
+from tunix_train.config import ConfigError
+from tunix_train.export import export
+from tunix_train.inference.sampler import Sampler, SamplingOptions
+from tunix_train.models import hf_weights
+from tunix_train.training.setup import Setup
 
 SEQ = 40  # > sliding_window (8): local layers really slide
 
