@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import TINY, compose_config
+from helpers import TINY, compose_config, mesh_arg, train_losses
 from tunix_train.models.gemma3 import Gemma3, LayerLayout, count_params
 from tunix_train.training.train_step import loss_sums
 
@@ -91,3 +91,23 @@ def test_remat_changes_memory_not_numbers():
     for other in outs[1:]:
         for a, b in zip(outs[0], other):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.abs(a).max()))
+
+
+def test_unrolled_layers_give_the_scanned_losses():
+    # 7 layers: one block of [5 locals, global] and a trailing local, all three scans.
+    cfg = compose_config(*TINY, mesh_arg(1, 1), "training.micro_batch_size=2")
+    scanned, _ = train_losses(cfg, 2, jax.devices()[:1])
+    cfg.model.unroll_layers = True
+    unrolled, _ = train_losses(cfg, 2, jax.devices()[:1])
+    np.testing.assert_allclose(unrolled, scanned, rtol=1e-5)
+
+
+@pytest.mark.parametrize("unroll", [False, True])
+def test_unroll_layers_decides_whether_the_forward_pass_loops(unroll):
+    # 2 blocks of [2 locals, global], 2 trailing locals: every scan runs at least twice (JAX
+    # keeps a one-trip loop even when unrolling).
+    cfg, model = _model("model.num_layers=8", "model.global_every=3",
+                        f"model.unroll_layers={unroll}")
+    graphdef, state = nnx.split(model)
+    text = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)).lower(state, _tokens()).as_text()
+    assert ("stablehlo.while" in text) is not unroll

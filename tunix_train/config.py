@@ -41,6 +41,8 @@ class ModelConfig:
     query_pre_attn_scalar: Optional[float] = None  # softmax scale is its -1/2 power; None = head_dim
     rms_norm_eps: float = 1e-6
     attention_impl: str = "auto"  # auto (cudnn on GPUs where it applies, else xla) | xla | cudnn
+    unroll_layers: bool = False  # unroll the scans over layers: faster steps on CPU (1.4x on
+    # bench/peer_step.py), compile time grows with depth; docs/performance.md
     init_from: Optional[str] = None  # hf:<dir> = dimensions and weights of a Hugging Face checkpoint
     mesh_shape: Optional[List[Any]] = None  # [[sizes], [axis names]]; None = every device on fsdp
     sharding_rules: Dict[str, Optional[str]] = field(default_factory=dict)  # overrides of the

@@ -20,7 +20,7 @@ from tunix_train.parallel.layout import ParamLayout
 log = logging.getLogger("tunix_train")
 
 # Model keys that belong to the command at hand, not to the saved weights.
-_RUNTIME_KEYS = ("mesh_shape", "sharding_rules", "attention_impl")
+_RUNTIME_KEYS = ("mesh_shape", "sharding_rules", "attention_impl", "unroll_layers")
 
 
 def for_inference(cfg: Config, explicit: Iterable[str]) -> tuple[Config, ParamLayout, Any]:

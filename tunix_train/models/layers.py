@@ -7,6 +7,7 @@ H head dim, F MLP width, V vocabulary.
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,8 @@ from tunix_train.config import ModelConfig
 from tunix_train.models import head, kv_cache
 from tunix_train.models.params import materialize, take
 from tunix_train.models.partitioning import constrain
+
+log = logging.getLogger("tunix_train")
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int) -> jax.Array:
@@ -143,25 +146,60 @@ class Attention(nnx.Module):
         """cuDNN's fused flash attention where asked (or, under `auto`, on GPUs when it accepts
         the call), XLA's otherwise. cuDNN's own checks run while tracing, so falling back is free.
         A document mask (packed sequences) reaches cuDNN as an additive bias per head, the form
-        its batching rule accepts; XLA would materialise the [B, N, L, L] scores instead."""
+        its batching rule accepts; XLA would materialise the [B, N, L, L] scores instead. The
+        path taken is logged once per process; a refusal under `auto` is a warning with why."""
         call = functools.partial(jax.nn.dot_product_attention, q, k, v, scale=self.scale,
                                  **kwargs)
-        use_cudnn = self.implementation == "cudnn" or (
-            self.implementation == "auto" and jax.default_backend() == "gpu"
-            and q.dtype in (jnp.bfloat16, jnp.float16))
-        if not use_cudnn:
+        why_not = _why_not_cudnn(self.implementation, q.dtype)
+        if why_not:
+            _report_once(logging.INFO, f"attention: XLA ({why_not})")
             return call(mask=mask, implementation="xla")
         bias = None if mask is None else _mask_as_bias(mask, q.shape[2], q.dtype)
-        if self.implementation == "cudnn":
-            return call(bias=bias, implementation="cudnn")
+        chosen = "cuDNN fused flash attention" + (
+            "" if mask is None else ", document masks as an additive [B, N, L, L] bias")
+        if self.implementation == "cudnn":  # asked for by name: a refusal is the user's error
+            out = call(bias=bias, implementation="cudnn")
+            _report_once(logging.INFO, f"attention: {chosen}")
+            return out
         try:
-            return call(bias=bias, implementation="cudnn")
-        except (ValueError, NotImplementedError, RuntimeError, TypeError):
+            out = call(bias=bias, implementation="cudnn")
+        except (ValueError, NotImplementedError, RuntimeError, TypeError) as refusal:
+            reason = str(refusal).strip().splitlines()[0][:200] if str(refusal) else \
+                type(refusal).__name__
+            _report_once(logging.WARNING, f"attention: cuDNN refused this call ({reason}); "
+                                          f"using XLA's attention, which materialises the "
+                                          f"[B, N, L, L] scores")
             return call(mask=mask, implementation="xla")
+        _report_once(logging.INFO, f"attention: {chosen}")
+        return out
 
     def _output(self, out_BxLxNxH: jax.Array) -> jax.Array:
         out_BxLxNxH = constrain(out_BxLxNxH, ("act_batch", "act_seq", "act_q_heads", None))
         return jnp.einsum("blnh,nhd->bld", out_BxLxNxH, self.o[...])
+
+
+def _why_not_cudnn(implementation: str, dtype) -> str | None:
+    """Why XLA's attention is used without trying cuDNN, or None to try cuDNN."""
+    if implementation == "xla":
+        return "model.attention_impl=xla"
+    if implementation == "cudnn":
+        return None
+    if jax.default_backend() != "gpu":
+        return f"model.attention_impl=auto on {jax.default_backend()}: cuDNN needs a GPU"
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return f"cuDNN's fused attention takes bf16 or fp16, and compute is {jnp.dtype(dtype).name}"
+    return None
+
+
+_REPORTED: set[str] = set()
+
+
+def _report_once(level: int, message: str) -> None:
+    """Each attention layer is traced several times (train and eval steps, both layer kinds):
+    one line per process is enough."""
+    if message not in _REPORTED:
+        _REPORTED.add(message)
+        log.log(level, message)
 
 
 def _mask_as_bias(mask_Bx1xLxS: jax.Array, heads: int, dtype) -> jax.Array:

@@ -1,0 +1,106 @@
+"""The fused, chunked output head + cross-entropy (models/head.py) against the unchunked formula:
+losses and gradients, on their own and through the real train step with packed documents, and
+the memory it saves in the compiled step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from helpers import TINY, compose_config, mesh_arg
+from tunix_train.models.head import VocabChunks, token_losses
+from tunix_train.training.setup import Setup
+
+
+def reference_losses(x_TxD, table_VxD, targets_T):
+    """log Σ exp(x·tableᵀ) − x·table[target], the whole fp32 logits at once."""
+    logits = x_TxD @ table_VxD.T
+    return jax.nn.logsumexp(logits, axis=1) - jnp.take_along_axis(
+        logits, targets_T[:, None], axis=1)[:, 0]
+
+
+@pytest.mark.parametrize("count,shards", [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (3, 4)])
+def test_chunked_losses_and_gradients_equal_the_whole_logits(count, shards):
+    vocab, dim, tokens = 96, 16, 40
+    kx, kt, ky, kw = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(kx, (tokens, dim), jnp.float32)
+    table = jax.random.normal(kt, (vocab, dim), jnp.float32)
+    targets = jax.random.randint(ky, (tokens,), 0, vocab)
+    weights = (jax.random.uniform(kw, (tokens,)) > 0.3).astype(jnp.float32)  # masked tokens
+
+    def loss(fn, x, table):
+        return jnp.sum(fn(x, table) * weights)
+
+    chunks = VocabChunks(count, shards)
+    got = jax.value_and_grad(lambda x, t: loss(
+        lambda a, b: token_losses(a, b, targets, chunks), x, t), argnums=(0, 1))(x, table)
+    want = jax.value_and_grad(lambda x, t: loss(
+        lambda a, b: reference_losses(a, b, targets), x, t), argnums=(0, 1))(x, table)
+    np.testing.assert_allclose(token_losses(x, table, targets, chunks),
+                               reference_losses(x, table, targets), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for g, w in zip(got[1], want[1]):  # 1e-5 relative to the gradient's scale
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(w))))
+
+
+def first_step(*overrides: str):
+    """Loss and parameter gradient norm of the real step on packed, padded documents."""
+    cfg = compose_config(*TINY, "data.packing=first_fit", "training.micro_batch_size=2",
+                         *overrides)
+    setup = Setup.create(cfg)
+    data = setup.open_data()
+    batch = next(data.train)
+    assert float(jnp.min(batch["weights"])) == 0.0  # padding and document ends are masked
+    state, metrics = setup.train_step()(setup.fresh_state(), batch)
+    data.close()
+    return float(metrics["loss"]), float(metrics["grad_norm"]), state
+
+
+def test_the_train_step_gives_the_same_loss_and_update_for_any_chunking():
+    """On fsdp 2 × tp 4, where the vocabulary is also split over tp (chunks of each shard)."""
+    mesh = (2, 4)
+    whole = first_step(mesh_arg(*mesh), "training.loss_vocab_chunk=512")
+    for chunk in (128, 64):
+        got = first_step(mesh_arg(*mesh), f"training.loss_vocab_chunk={chunk}")
+        np.testing.assert_allclose(got[:2], whole[:2], rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(got[2]["params"]), jax.tree.leaves(whole[2]["params"])):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_chunking_saves_at_least_the_fp32_logits_in_compiled_temporaries():
+    def temporaries(chunk: int) -> int:
+        cfg = compose_config(*TINY, mesh_arg(1, 1), "model.vocab_size=4096",
+                             "training.micro_batch_size=8", f"training.loss_vocab_chunk={chunk}")
+        setup = Setup.create(cfg, jax.devices()[:1])
+        memory = setup.compile_train_step().memory_analysis()
+        return memory.temp_size_in_bytes
+
+    tokens, vocab = 8 * 32, 4096
+    logits_fp32 = tokens * vocab * 4
+    assert temporaries(4096) - temporaries(512) >= logits_fp32
+
+
+def test_the_attention_path_is_logged_once_and_a_refusal_is_a_warning(caplog, monkeypatch):
+    from tunix_train.models import layers
+
+    cfg = compose_config(*TINY)
+    setup = Setup.create(cfg, jax.devices()[:1])
+    batch = setup.random_batch()
+    monkeypatch.setattr(layers, "_REPORTED", set())
+    with caplog.at_level("INFO", logger="tunix_train"):
+        for _ in range(2):  # two traces, one line
+            jax.jit(setup.train_step()).lower(setup.fresh_state(), batch)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention:")]
+    assert lines == ["attention: XLA (model.attention_impl=auto on cpu: cuDNN needs a GPU)"]
+
+    # What a GPU whose cuDNN refuses the call sees: here cuDNN refuses on the CPU itself.
+    caplog.clear()
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+    attention = layers.Attention(cfg.model, nnx.Rngs(0))  # implementation "auto"
+    q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
+    with caplog.at_level("INFO", logger="tunix_train"):
+        out = attention._attention(q, q, q, is_causal=True)
+    assert out.shape == q.shape
+    [warning] = [r for r in caplog.records if r.getMessage().startswith("attention:")]
+    assert warning.levelname == "WARNING" and "cuDNN refused this call (" in warning.getMessage()
