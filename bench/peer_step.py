@@ -22,7 +22,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 
 def parse() -> argparse.Namespace:
@@ -44,6 +43,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+from timing import timed  # noqa: E402
+
 LAYERS, D, F, N, K, H, V = 4, 256, 1024, 4, 1, 64, 4096
 # 257 tokens in, 256 predicted: Tunix's loss drops the last position, ours and the floor shift.
 BATCH, SEQ, WINDOW = 8, 256, 128
@@ -51,14 +52,6 @@ SHAPE = [f"model.num_layers={LAYERS}", f"model.embed_dim={D}", f"model.hidden_di
          f"model.num_heads={N}", f"model.num_kv_heads={K}", f"model.head_dim={H}",
          f"model.vocab_size={V}", f"model.sliding_window={WINDOW}", "model.global_every=6",
          f"data.seq_len={SEQ}", "training.mixed_precision=fp32", "optimizer.weight_decay=0.1"]
-
-
-def timed(fn, steps: int) -> float:
-    start = time.perf_counter()
-    for _ in range(steps):
-        out = fn()
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / steps
 
 
 # ------------------------------------------------------------------------------------------

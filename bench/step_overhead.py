@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +21,7 @@ import optax
 from flax import nnx
 
 from tunix_train import cli
+from timing import timed
 from tunix_train.training.setup import Setup
 
 ROUNDS, STEPS_PER_ROUND, WARMUP = 5, 4, 2
@@ -41,14 +41,6 @@ def hand_written_step(graphdef, optimizer, compute_dtype):
         return optax.apply_updates(params, updates), opt_state, loss
 
     return jax.jit(step, donate_argnums=(0, 1))
-
-
-def timed(fn, steps: int) -> float:
-    start = time.perf_counter()
-    for _ in range(steps):
-        out = fn()
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / steps
 
 
 def main(overrides: list[str]) -> dict:
