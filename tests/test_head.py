@@ -61,7 +61,7 @@ def test_the_train_step_gives_the_same_loss_and_update_for_any_chunking():
     """On fsdp 2 × tp 4, where the vocabulary is also split over tp (chunks of each shard)."""
     mesh = (2, 4)
     whole = first_step(mesh_arg(*mesh), "training.loss_vocab_chunk=512")
-    for chunk in (128, 64):
+    for chunk in (128,):  # 4 chunks of each tp shard's 128 rows (several sizes: see above)
         got = first_step(mesh_arg(*mesh), f"training.loss_vocab_chunk={chunk}")
         np.testing.assert_allclose(got[:2], whole[:2], rtol=1e-5)
         for a, b in zip(jax.tree.leaves(got[2]["params"]), jax.tree.leaves(whole[2]["params"])):

@@ -94,8 +94,9 @@ def test_remat_changes_memory_not_numbers():
 
 
 def test_unrolled_layers_give_the_scanned_losses():
-    # 7 layers: one block of [5 locals, global] and a trailing local, all three scans.
-    cfg = compose_config(*TINY, mesh_arg(1, 1), "training.micro_batch_size=2")
+    # 5 layers: two blocks of [local, global] and a trailing local, all three scans.
+    cfg = compose_config(*TINY, mesh_arg(1, 1), "training.micro_batch_size=2",
+                         "model.num_layers=5", "model.global_every=2")
     scanned, _ = train_losses(cfg, 2, jax.devices()[:1])
     cfg.model.unroll_layers = True
     unrolled, _ = train_losses(cfg, 2, jax.devices()[:1])
