@@ -60,17 +60,38 @@ def test_cached_greedy_equals_full_recomputation_on_a_sharded_batch(model):
 def test_sampling_keeps_to_the_top_k_and_greedy_is_argmax():
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(2000, 50)), jnp.float32)
     top3 = np.argsort(np.asarray(logits), axis=1)[:, -3:]
-    drawn = np.asarray(sample(logits, jax.random.key(0), SamplingOptions(1, 1.0, top_k=3)))
+    drawn, logps = sample(logits, jax.random.key(0), SamplingOptions(1, 1.0, top_k=3))
+    drawn = np.asarray(drawn)
     assert all(d in row for d, row in zip(drawn, top3))
     assert len(set(drawn.tolist())) > 10  # it samples, it does not take the argmax
-    greedy = sample(logits, jax.random.key(0), SamplingOptions(1, 0.0))
+    # The log-probability is of the whole tempered distribution, not of the top-k renormalised.
+    full = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    np.testing.assert_allclose(logps, full[np.arange(2000), drawn], rtol=1e-5)
+    greedy, _ = sample(logits, jax.random.key(0), SamplingOptions(1, 0.0))
     np.testing.assert_array_equal(greedy, np.argmax(logits, axis=1))
 
 
+def test_nucleus_sampling_draws_from_the_smallest_set_reaching_top_p():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(500, 20)).astype(np.float32) * 2
+    temperature, top_p = 0.7, 0.6
+    drawn, logps = sample(jnp.asarray(logits), jax.random.key(3),
+                          SamplingOptions(1, temperature, top_p=top_p))
+    probs = np.asarray(jax.nn.softmax(logits / temperature, axis=-1))
+    for row, token in zip(probs, np.asarray(drawn)):
+        order = np.argsort(-row)
+        before = np.cumsum(row[order]) - row[order]
+        assert token in set(order[before < top_p].tolist())
+    np.testing.assert_allclose(np.exp(logps), probs[np.arange(500), np.asarray(drawn)],
+                               rtol=1e-5)
+
+
 def test_rows_stop_after_their_eos_and_left_padding_aligns_prompts():
-    tokens, counts = _stop_at_eos(jnp.asarray([[5, 2, 7, 2], [5, 6, 7, 8]]), eos_id=2)
+    tokens, counts, logps = _stop_at_eos(jnp.asarray([[5, 2, 7, 2], [5, 6, 7, 8]]),
+                                         -jnp.ones((2, 4)), eos_id=2)
     np.testing.assert_array_equal(tokens, [[5, 2, 0, 0], [5, 6, 7, 8]])
     np.testing.assert_array_equal(counts, [2, 4])
+    np.testing.assert_array_equal(logps, [[-1, -1, 0, 0], [-1, -1, -1, -1]])
     padded, lengths = left_pad([[1, 2, 3], [4]])
     np.testing.assert_array_equal(padded, [[1, 2, 3], [0, 0, 4]])
     np.testing.assert_array_equal(lengths, [3, 1])

@@ -101,9 +101,14 @@ class Gemma3(nnx.Module):
     def token_losses(self, tokens_BxL: jax.Array, targets_BxL: jax.Array,
                      positions_BxL: jax.Array | None = None,
                      segment_ids_BxL: jax.Array | None = None,
-                     vocab_chunks: VocabChunks = VocabChunks()) -> jax.Array:
-        """Next-token cross-entropy [B, L] in fp32, the vocabulary a chunk at a time."""
+                     vocab_chunks: VocabChunks = VocabChunks(),
+                     temperature: float = 1.0) -> jax.Array:
+        """Next-token cross-entropy [B, L] in fp32, the vocabulary a chunk at a time: minus the
+        targets' log-probabilities under softmax(logits / temperature) (the head is linear, so
+        dividing its input divides the logits)."""
         hidden_BxLxD = self.hidden(tokens_BxL, positions_BxL, segment_ids_BxL)
+        if temperature != 1.0:
+            hidden_BxLxD = hidden_BxLxD / jnp.asarray(temperature, hidden_BxLxD.dtype)
         return self.embedder.token_losses(hidden_BxLxD, targets_BxL, vocab_chunks)
 
     def hidden(self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None,

@@ -288,16 +288,16 @@ def _reduce_all(sync: GradientSync, grads: Any) -> Any:
 
 
 def accumulated_gradients(sync: GradientSync, loss_fn: Callable, params: Any, batch: dict):
-    """(reduced fp32 gradient sums, loss sum, token count) over the [accum, B, L] batch.
+    """(reduced fp32 gradient sums, loss sum, sums) over the [accum, B, L] batch.
 
     `params`: the fp32 parameters laid out as stored; `loss_fn(params, micro_batch) ->
-    (loss_sum, tokens)` sees this device's rows and a tree of `Fetch` leaves (read through
+    (loss_sum, sums)` sees this device's rows and a tree of `Fetch` leaves (read through
     models/params.py, with `FsdpHook` installed here), under no activation constraint naming
-    fsdp.
+    fsdp. `sums` is a dict of scalars that add up over micro-batches and devices; its
+    "tokens" entry is what the caller divides by (the train step's token count).
     """
     hows = _hows(sync, params)
     K, rounds = sync.sync_every, sync.reductions_per_step
-    scalar = lambda: jnp.zeros((), jnp.float32)  # noqa: E731
 
     def per_device(local_params, batch):
         # Stand-ins for the gradients (see `Fetch`), from the global shapes: blocks are local.
@@ -310,24 +310,28 @@ def accumulated_gradients(sync: GradientSync, loss_fn: Callable, params: Any, ba
                 with model_params.hooked(FsdpHook()):
                     return loss_fn(tree, micro_batch)
 
-            (loss, tokens), grads = jax.value_and_grad(loss_of, has_aux=True)(targets)
-            return jax.tree.map(lambda g: g.astype(jnp.float32), grads), loss, tokens
+            (loss, sums), grads = jax.value_and_grad(loss_of, has_aux=True)(targets)
+            return jax.tree.map(lambda g: g.astype(jnp.float32), grads), loss, sums
+
+        sums_zero = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32),
+                                 jax.eval_shape(micro_grads, _first(batch))[2])
 
         def one_round(round_batch):  # K micro-batches, then (K > 1) one reduction
             if K == 1:
                 return micro_grads(_first(round_batch))
-            local, loss, tokens = _scan_sum(
-                micro_grads, (_gradient_zeros(sync, params, False, jnp.float32), scalar(),
-                              scalar()), round_batch)
-            return _reduce_all(sync, local), loss, tokens
+            local, loss, sums = _scan_sum(
+                micro_grads, (_gradient_zeros(sync, params, False, jnp.float32),
+                              jnp.zeros((), jnp.float32), sums_zero), round_batch)
+            return _reduce_all(sync, local), loss, sums
 
         split = jax.tree.map(lambda x: x.reshape(rounds, K, *x.shape[1:]), batch)
         if rounds == 1:
-            grads, loss, tokens = one_round(_first(split))
+            grads, loss, sums = one_round(_first(split))
         else:
-            init = (_gradient_zeros(sync, params, True, jnp.float32), scalar(), scalar())
-            grads, loss, tokens = _scan_sum(one_round, init, split)
-        return grads, jax.lax.psum(loss, FSDP), jax.lax.psum(tokens, FSDP)
+            init = (_gradient_zeros(sync, params, True, jnp.float32),
+                    jnp.zeros((), jnp.float32), sums_zero)
+            grads, loss, sums = _scan_sum(one_round, init, split)
+        return grads, jax.lax.psum(loss, FSDP), jax.lax.psum(sums, FSDP)
 
     spec_of = lambda specs: jax.tree.map(_fsdp_only, specs, is_leaf=lambda x: isinstance(x, P))  # noqa: E731
     batch_spec = P(None, FSDP)

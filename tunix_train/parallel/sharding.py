@@ -185,3 +185,18 @@ def batch_sharding(mesh: Mesh, rules: Mapping[str, str | None], leading: int = 0
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
+
+
+def gathered_over_fsdp(shardings: Any) -> Any:
+    """The same shardings with fsdp removed: a whole copy on every fsdp shard, split over tp
+    only (what decoding wants: no gather per generated token)."""
+    def without(axis):
+        if isinstance(axis, tuple):
+            kept = tuple(a for a in axis if a != FSDP)
+            return kept if len(kept) > 1 else (kept[0] if kept else None)
+        return None if axis == FSDP else axis
+
+    def gathered(s: NamedSharding) -> NamedSharding:
+        return NamedSharding(s.mesh, P(*(without(axis) for axis in s.spec)))
+
+    return jax.tree.map(gathered, shardings)

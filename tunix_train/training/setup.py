@@ -34,7 +34,8 @@ from tunix_train.parallel import mesh as mesh_lib
 from tunix_train.parallel.layout import ParamLayout
 from tunix_train.training import optim
 from tunix_train.training.state import StateLayout, TrainState
-from tunix_train.training.train_step import StepOptions, jit_eval_step, jit_train_step
+from tunix_train.training.train_step import (LossFn, StepOptions, jit_eval_step, jit_train_step,
+                                             loss_sums)
 
 log = logging.getLogger("tunix_train")
 
@@ -58,11 +59,11 @@ class Setup:
         mesh = mesh_lib.create_mesh(shape, devices, processes_per_node)
         t = cfg.training
         params = ParamLayout.create(cfg.model, mesh, t.zero_stage, t.remat, t.mixed_precision)
-        optimizer = optim.adamw(cfg.optimizer, cfg.training.steps)
+        updates = config_lib.optimizer_steps(cfg)
+        optimizer = optim.adamw(cfg.optimizer, updates)
         batch = batch_shape(cfg.training, cfg.data.seq_len, shape.fsdp)
         return cls(cfg, params, StateLayout.create(params, optimizer), batch, optimizer,
-                   optim.schedule(cfg.optimizer, cfg.training.steps),
-                   step_options(cfg, params, batch))
+                   optim.schedule(cfg.optimizer, updates), step_options(cfg, params, batch))
 
     @property
     def mesh(self) -> Mesh:
@@ -77,19 +78,23 @@ class Setup:
     def tokens_per_step(self) -> int:
         return self.batch.sequences * self.batch.seq_len
 
-    def train_step(self) -> Callable:
+    def train_step(self, loss_fn: LossFn = loss_sums) -> Callable:
         return jit_train_step(self.state, self.optimizer, self.schedule, self.options,
-                              self.batch_sharding)
+                              self.batch_sharding, loss_fn)
 
-    def compile_train_step(self) -> jax.stages.Compiled:
-        """The real train step, compiled ahead of time from shapes alone (nothing allocated)."""
-        return self.train_step().lower(self.state.with_shardings(), self.abstract_batch()).compile()
+    def compile_train_step(self, loss_fn: LossFn = loss_sums,
+                           extra: dict[str, jnp.dtype] | None = None) -> jax.stages.Compiled:
+        """The real train step, compiled ahead of time from shapes alone (nothing allocated).
+        `extra`: more [accum, rows, seq_len] batch entries the loss reads, by dtype."""
+        return self.train_step(loss_fn).lower(self.state.with_shardings(),
+                                              self.abstract_batch(extra)).compile()
 
-    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+    def abstract_batch(self, extra: dict[str, jnp.dtype] | None = None
+                       ) -> dict[str, jax.ShapeDtypeStruct]:
         """The shapes of one global batch (data/pipeline.py's GlobalBatches yields the same)."""
         shape = (self.batch.accum, self.batch.rows, self.batch.seq_len)
         dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "weights": jnp.float32,
-                  "segment_ids": jnp.int32, "positions": jnp.int32}
+                  "segment_ids": jnp.int32, "positions": jnp.int32, **(extra or {})}
         return {name: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)
                 for name, dtype in dtypes.items()}
 

@@ -42,27 +42,36 @@ def _cast(tree: Any, dtype: jnp.dtype) -> Any:
 
 
 def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: Batch,
-              vocab_chunks: VocabChunks = VocabChunks()) -> tuple[jax.Array, jax.Array]:
-    """(sum of token losses, number of counted tokens) for one [B, L] batch; `params` already
-    in the compute dtype. The logits are formed a vocabulary chunk at a time, never whole."""
+              vocab_chunks: VocabChunks = VocabChunks()) -> tuple[jax.Array, dict]:
+    """(sum of token losses, {"tokens": number of counted tokens}) for one [B, L] batch;
+    `params` already in the compute dtype. The logits are formed a vocabulary chunk at a time,
+    never whole."""
     model = nnx.merge(graphdef, params)
     token_loss_BxL = model.token_losses(batch["inputs"], batch["targets"], batch.get("positions"),
                                         batch.get("segment_ids"), vocab_chunks)
     weights_BxL = batch["weights"]
-    return jnp.sum(token_loss_BxL * weights_BxL), jnp.sum(weights_BxL)
+    return jnp.sum(token_loss_BxL * weights_BxL), {"tokens": jnp.sum(weights_BxL)}
+
+
+# (graphdef, params, micro-batch, vocab chunks) → (loss sum, sums with "tokens"): the loss a
+# step minimises is loss sum / tokens over the whole batch; other sums become metrics.
+LossFn = Callable[..., tuple[jax.Array, dict]]
 
 
 def train_step_fn(layout: StateLayout, optimizer: optax.GradientTransformation,
-                  schedule: optax.Schedule, options: StepOptions) -> Callable:
-    """The un-jitted step: state, batch → new state, metrics."""
+                  schedule: optax.Schedule, options: StepOptions,
+                  loss_fn: LossFn = loss_sums) -> Callable:
+    """The un-jitted step: state, batch → new state, metrics. With another `loss_fn` (GRPO's),
+    its sums other than "tokens" are added to the metrics as sums (not yet divided)."""
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        loss_fn = partial(loss_sums, layout.params.graphdef, vocab_chunks=options.vocab_chunks)
+        micro_loss = partial(loss_fn, layout.params.graphdef, vocab_chunks=options.vocab_chunks)
         # Inside the shard_map over fsdp each device sees its own rows: no fsdp constraint.
         # Parameters go in as fp32 shards: each is cast where it is gathered (parallel/fsdp.py).
         with activate(options.mesh, per_shard_rules(options.rules)):  # in effect while jit traces
-            grads, loss_sum, tokens = fsdp.accumulated_gradients(options.sync, loss_fn,
-                                                                 state["params"], batch)
+            grads, loss_sum, sums = fsdp.accumulated_gradients(options.sync, micro_loss,
+                                                               state["params"], batch)
+        tokens = sums.pop("tokens")
         # A non-finite loss makes every gradient NaN here (in the division that happens anyway),
         # so the optimizer's finiteness guard skips the update even if the gradients were finite.
         denominator = jnp.where(jnp.isfinite(loss_sum), jnp.maximum(tokens, 1.0), jnp.nan)
@@ -79,6 +88,7 @@ def train_step_fn(layout: StateLayout, optimizer: optax.GradientTransformation,
             "lr": schedule(state["step"]),
             "tokens": tokens,
             "skipped_steps": skipped_updates(opt_state),
+            **sums,
         }
         return new_state, metrics
 
@@ -86,10 +96,10 @@ def train_step_fn(layout: StateLayout, optimizer: optax.GradientTransformation,
 
 
 def jit_train_step(layout: StateLayout, optimizer, schedule, options: StepOptions,
-                   batch_sharding: NamedSharding) -> Callable:
+                   batch_sharding: NamedSharding, loss_fn: LossFn = loss_sums) -> Callable:
     # The state is donated: the step updates it in place, halving peak state memory.
     return jax.jit(
-        train_step_fn(layout, optimizer, schedule, options),
+        train_step_fn(layout, optimizer, schedule, options, loss_fn),
         in_shardings=(layout.shardings, batch_sharding),
         out_shardings=(layout.shardings, None),
         donate_argnums=(0,),
@@ -100,7 +110,8 @@ def jit_eval_step(layout: StateLayout, options: StepOptions, batch_sharding: Nam
     def evaluate(params, batch: Batch) -> tuple[jax.Array, jax.Array]:
         single = jax.tree.map(lambda x: x[0], batch)
         with activate(options.mesh, options.rules):
-            return loss_sums(layout.params.graphdef, _cast(params, options.compute_dtype), single,
-                             options.vocab_chunks)
+            loss, sums = loss_sums(layout.params.graphdef, _cast(params, options.compute_dtype),
+                                   single, options.vocab_chunks)
+            return loss, sums["tokens"]
 
     return jax.jit(evaluate, in_shardings=(layout.shardings["params"], batch_sharding))
