@@ -37,7 +37,8 @@ def main() -> None:
     base, runs = json.loads(sys.argv[1])
     for i, override in enumerate(runs):
         run_dir = Path(base) / f"run{i}"
-        result = run_once(module.main, [override, f"hydra.run.dir={run_dir}"])
+        overrides = override if isinstance(override, list) else [override]
+        result = run_once(module.main, [*overrides, f"hydra.run.dir={run_dir}"])
         log = run_dir / "train.log"
         result["log"] = log.read_text() if log.exists() else ""
         print(json.dumps({"override": override, **result}), flush=True)

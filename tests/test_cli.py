@@ -66,7 +66,7 @@ def test_unknown_model_name_fails_with_the_available_ones(tmp_path):
 
 
 BAD_VALUES = [
-    "optimizer.lr=-1", "optimizer.lr=0", "optimizer.b1=1.0", "optimizer.b2=-0.1",
+    "optimizer.lr=-1", "grpo.num_generations=1", "optimizer.b1=1.0", "optimizer.b2=-0.1",
     "optimizer.eps=0", "optimizer.grad_clip=-1", "optimizer.weight_decay=-0.1",
     "optimizer.warmup_steps=-5", "optimizer.min_lr_ratio=1.5", "training.steps=0",
     "training.seed=-1", "training.micro_batch_size=0", "training.global_batch_size=0",

@@ -90,7 +90,7 @@ def test_every_numeric_key_has_an_allowed_range():
 
 
 @pytest.mark.parametrize("override,expected", [
-    ("optimizer.lr=-1", "optimizer.lr=-1.0 is out of range: it must be above 0."),
+    ("optimizer.lr=-1", "optimizer.lr=-1.0 is out of range: it must be at least 0."),
     ("optimizer.b1=1.0", "optimizer.b1=1.0 is out of range: it must be in [0, 1)."),
     ("data.validation_fraction=1", "data.validation_fraction=1.0 is out of range: it must be in "
                                    "(0, 1)."),

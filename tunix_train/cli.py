@@ -101,7 +101,11 @@ def run_training(cfg: DictConfig, run_dir: str, hooks=None) -> None:
     """`hooks`: tests/faulty_training.py's fault injection; run_training.py passes none."""
     from hydra.core.hydra_config import HydraConfig
 
-    from tunix_train.training.run import StepHooks, run  # after Hydra set up logging, run dir
+    # After Hydra set up logging and the run dir:
+    from tunix_train.grpo import trainer as grpo_trainer
+    from tunix_train.training import run as default_trainer
 
     with user_errors():
-        run(typed(cfg, HydraConfig.get().overrides.task), Path(run_dir), hooks or StepHooks())
+        config = typed(cfg, HydraConfig.get().overrides.task)
+        trainer = grpo_trainer if config.trainer.name == "grpo" else default_trainer
+        trainer.run(config, Path(run_dir), hooks or default_trainer.StepHooks())

@@ -51,7 +51,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "builtin"  # builtin | text | jsonl | parquet | tokens (see docs/data.md)
+    name: str = "builtin"  # builtin | text | jsonl | parquet | tokens | prompts (docs/data.md)
     path: Optional[str] = None  # local file, directory or glob; the builtin corpus needs none
     eval_path: Optional[str] = None  # held-out files; None = hold out validation_fraction of path
     tokenizer: str = "byte"  # byte | sentencepiece:<model file> | hf:<tokenizer.json or dir> | none
@@ -61,6 +61,7 @@ class DataConfig:
     prompt_field: Optional[str] = None  # jsonl/parquet SFT: with response_field, loss on the
     response_field: Optional[str] = None  # response tokens only
     dtype: str = "uint16"  # tokens: uint16 | uint32 ids in the flat binary file
+    chat_template: bool = False  # prompts: wrap each in Gemma's <start_of_turn>user … turn
     max_corpus_bytes: int = 8_000_000  # cap on the builtin corpus read from disk
     validation_fraction: float = 0.05  # held-out share of documents (or of each tokens file)
     eval_batches: int = 4  # validation batches per evaluation
@@ -70,7 +71,7 @@ class DataConfig:
 @dataclass
 class OptimizerConfig:
     name: str = "adamw"
-    lr: float = 3e-3  # peak learning rate
+    lr: float = 3e-3  # peak learning rate; 0 = no update (a control run)
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at training.steps
     weight_decay: float = 0.1  # decoupled; not applied to norm scales
@@ -133,6 +134,40 @@ class ExportConfig:
 
 
 @dataclass
+class TrainerConfig:
+    name: str = "default"  # default (next-token loss) | grpo (reinforcement learning, docs/grpo.md)
+
+
+@dataclass
+class GrpoConfig:
+    """`trainer=grpo` only. A step = rollouts for `training.global_batch_size` completions
+    (num_generations per prompt), then num_iterations optimizer updates on them."""
+
+    num_generations: int = 4  # G: completions per prompt, compared with each other
+    max_new_tokens: int = 32  # completion tokens; the prompt gets data.seq_len minus these
+    temperature: float = 1.0  # sampling temperature; log-probs are of the tempered policy
+    top_k: int = 0  # sample among the k most likely tokens; 0 = all
+    top_p: float = 1.0  # nucleus sampling: the smallest set with this much probability
+    num_iterations: int = 1  # mu: policy updates per batch of rollouts
+    epsilon: float = 0.2  # PPO clip: ratio kept within [1 - epsilon, 1 + epsilon_high]
+    epsilon_high: Optional[float] = None  # None = epsilon
+    beta: float = 0.04  # KL penalty to the frozen reference model; 0 = no reference at all
+    kl_estimator: str = "k3"  # k3 (exp(d) - d - 1, d = log ref - log policy) | k1 (-d)
+    advantage: str = "grpo"  # grpo: (r - mean) / (std + 1e-6) | dr_grpo: r - mean | rloo
+    loss_aggregation: str = "sequence-mean-token-mean"  # | token-mean
+    rewards: List[str] = field(default_factory=lambda: ["answer"])  # answer | format | length
+    # | module:function (called with prompts, completions and the records' other fields)
+    reward_weights: Optional[List[float]] = None  # one per reward; None = all 1
+    answer_field: str = "answer"  # the record field the `answer` reward compares with
+    answer_pattern: str = r"(-?\d+(?:\.\d+)?)"  # first match's group 1 is the answer
+    answer_compare: str = "numeric"  # numeric (as numbers, else as text) | exact (as text)
+    format_pattern: Optional[str] = None  # `format` reward: 1 if the completion fully matches
+    length_buffer: Optional[int] = None  # `length`: penalty ramps to -1 over the last this many
+    # tokens before max_new_tokens (DAPO's soft overlong penalty); None = max_new_tokens // 4
+    sample_every_steps: int = 10  # a few completions as TensorBoard text every this many steps
+
+
+@dataclass
 class ExperimentConfig:
     name: str = "default"
 
@@ -156,6 +191,8 @@ class PlannerConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -227,6 +264,11 @@ _CHOICES = {
     ("data", "packing"): ("concat", "first_fit"),
     ("data", "dtype"): ("uint16", "uint32"),
     ("export", "dtype"): ("bfloat16", "float32"),
+    ("trainer", "name"): ("default", "grpo"),
+    ("grpo", "kl_estimator"): ("k3", "k1"),
+    ("grpo", "advantage"): ("grpo", "dr_grpo", "rloo"),
+    ("grpo", "loss_aggregation"): ("sequence-mean-token-mean", "token-mean"),
+    ("grpo", "answer_compare"): ("numeric", "exact"),
 }
 
 _RANGES = {
@@ -240,7 +282,7 @@ _RANGES = {
     ("data", "seq_len"): _COUNT, ("data", "max_corpus_bytes"): _COUNT,
     ("data", "validation_fraction"): _Range(0, 1, low_open=True, high_open=True),
     ("data", "eval_batches"): _COUNT, ("data", "prefetch"): _NATURAL,
-    ("optimizer", "lr"): _POSITIVE, ("optimizer", "warmup_steps"): _NATURAL,
+    ("optimizer", "lr"): _NATURAL, ("optimizer", "warmup_steps"): _NATURAL,
     ("optimizer", "min_lr_ratio"): _FRACTION, ("optimizer", "weight_decay"): _NATURAL,
     ("optimizer", "grad_clip"): _NATURAL, ("optimizer", "b1"): _BETA,
     ("optimizer", "b2"): _BETA, ("optimizer", "eps"): _POSITIVE,
@@ -258,6 +300,12 @@ _RANGES = {
     ("distributed", "init_timeout_s"): _COUNT, ("distributed", "heartbeat_timeout_s"): _COUNT,
     ("distributed", "step_timeout_s"): _COUNT,
     ("plan", "device_memory_gb"): _POSITIVE, ("plan", "num_devices"): _COUNT,
+    ("grpo", "num_generations"): _Range(2), ("grpo", "max_new_tokens"): _COUNT,
+    ("grpo", "temperature"): _POSITIVE, ("grpo", "top_k"): _NATURAL,
+    ("grpo", "top_p"): _Range(0, 1, low_open=True), ("grpo", "num_iterations"): _COUNT,
+    ("grpo", "epsilon"): _Range(0, 1, low_open=True, high_open=True),
+    ("grpo", "epsilon_high"): _POSITIVE, ("grpo", "beta"): _NATURAL,
+    ("grpo", "length_buffer"): _COUNT, ("grpo", "sample_every_steps"): _COUNT,
 }
 
 
@@ -285,6 +333,36 @@ def validate(cfg: Config) -> None:
             f"training.gradient_accumulation_steps={accum}."
         )
     _validate_checkpoint(cfg.checkpoint)
+    _validate_trainer(cfg)
+
+
+def _validate_trainer(cfg: Config) -> None:
+    grpo, data = cfg.trainer.name == "grpo", cfg.data.name == "prompts"
+    if grpo and not data:
+        raise ConfigError(f"trainer=grpo needs prompts: data=prompts data.path=<jsonl or parquet "
+                          f"records>, not data={cfg.data.name}.")
+    if data and not grpo:
+        raise ConfigError("data=prompts holds prompts without responses, for trainer=grpo; add "
+                          "trainer=grpo, or use data=sft for prompt/response pairs.")
+    if not grpo:
+        return
+    g = cfg.grpo
+    if g.max_new_tokens >= cfg.data.seq_len:
+        raise ConfigError(f"grpo.max_new_tokens={g.max_new_tokens} leaves no room for the prompt "
+                          f"in data.seq_len={cfg.data.seq_len}; raise data.seq_len above it.")
+    if g.reward_weights is not None and len(g.reward_weights) != len(g.rewards):
+        raise ConfigError(f"grpo.reward_weights has {len(g.reward_weights)} values for "
+                          f"{len(g.rewards)} grpo.rewards; give one weight per reward.")
+    if not g.rewards:
+        raise ConfigError("grpo.rewards is empty; name at least one, e.g. 'grpo.rewards=[answer]'.")
+    if cfg.training.eval_every_steps:
+        raise ConfigError(f"training.eval_every_steps={cfg.training.eval_every_steps} has no "
+                          f"meaning with trainer=grpo (rewards are logged every step); set it to 0.")
+
+
+def optimizer_steps(cfg: Config) -> int:
+    """Optimizer updates in the whole run: GRPO makes num_iterations per step."""
+    return cfg.training.steps * (cfg.grpo.num_iterations if cfg.trainer.name == "grpo" else 1)
 
 
 def _validate_checkpoint(c: CheckpointConfig) -> None:
@@ -294,6 +372,11 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
 
 
 def _validate_data(data: DataConfig) -> None:
+    if data.name == "prompts":
+        if not data.prompt_field:
+            raise ConfigError("data=prompts needs data.prompt_field, the field holding each "
+                              "prompt; set data.prompt_field=<field>.")
+        return
     if (data.prompt_field is None) != (data.response_field is None):
         raise ConfigError("data.prompt_field and data.response_field go together (SFT); set both "
                           "or neither.")

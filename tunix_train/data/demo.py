@@ -9,6 +9,9 @@ standard library's source), in seconds and offline. docs/data.md's examples and 
     <dir>/tokens.bin        uint16 byte-tokenizer ids       data=tokens
     <dir>/spm.model         SentencePiece, 500 pieces       data.tokenizer=sentencepiece:…
     <dir>/bpe/              tokenizer.json + config, 500    data.tokenizer=hf:…
+    <dir>/sums_sft.jsonl    {"prompt": "3+4=", "response": "7"}     data=sft
+    <dir>/sums.jsonl        {"prompt": "3+4=", "answer": "7"}       trainer=grpo data=prompts
+    <dir>/sums.parquet      the same records                        trainer=grpo data=prompts
 """
 
 from __future__ import annotations
@@ -68,6 +71,22 @@ def write_sft(out: Path, docs: list[str], pairs: int = 2000) -> Path:
     return path
 
 
+def write_sums(out: Path) -> Path:
+    """A verifiable task for GRPO (docs/grpo.md): one-digit sums, every pair of digits. A few
+    SFT steps on the pairs teach the format and a little arithmetic; GRPO prompts carry the
+    answer to check."""
+    pairs = [(a, b) for a in range(10) for b in range(10)]
+    (out / "sums_sft.jsonl").write_text("".join(
+        json.dumps({"prompt": f"{a}+{b}=", "response": str(a + b)}) + "\n" for a, b in pairs))
+    records = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs]
+    (out / "sums.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(records), out / "sums.parquet")
+    return out / "sums.jsonl"
+
+
 def write_tokens(out: Path, docs: list[str]) -> Path:
     """nanoGPT's layout: every document's ids followed by EOS, as one flat uint16 array."""
     tokenizer = ByteTokenizer()
@@ -119,6 +138,7 @@ def write_all(out: Path) -> None:
     for write in (write_text, write_jsonl, write_parquet, write_sft, write_tokens,
                   train_sentencepiece, train_bpe):
         print(write(out, docs))
+    print(write_sums(out))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ def run(cfg: Config, run_dir: Path, hooks: StepHooks = StepHooks()) -> dict[str,
     state = setup.initial_state(run_dir, data.train)
     first_step = int(jax.device_get(state["step"]))
     writer = MetricsWriter(run_dir, cfg.logging, cfg.training.steps, first_step)
-    _log_startup(setup, state, writer)
+    log_startup(setup, state, writer)
     train_step = _compiled_train_step(setup, writer, run_dir)
     evaluate = setup.evaluator(data.eval_batches)
     if first_step == 0:
@@ -87,7 +87,7 @@ def _final_evaluation(state, summary: dict, evaluate, writer: MetricsWriter) -> 
     log.info("final validation loss %.4f (step %d)", summary["eval_loss"], summary["final_step"])
 
 
-def _log_startup(setup: Setup, state, writer: MetricsWriter) -> None:
+def log_startup(setup: Setup, state, writer: MetricsWriter) -> None:
     cfg, mesh, b = setup.cfg, setup.mesh, setup.batch
     devices = jax.devices()
     fsdp = setup.options.sync.fsdp

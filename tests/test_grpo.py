@@ -1,0 +1,343 @@
+"""GRPO (`trainer=grpo`): formulas against NumPy, rollouts against teacher forcing, meshes against
+each other, learning against a control run, resume against the uninterrupted run, bad input."""
+
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import REPO, TINY, cli_env, compose_config, run_cli, start_cli
+from tunix_train.data import demo
+from tunix_train.data import tokenizer as tokenizer_lib
+from tunix_train.grpo import objective as objective_lib
+from tunix_train.grpo.prompts import read_prompts
+from tunix_train.grpo.rewards import Rewards
+from tunix_train.grpo.rollouts import RolloutMaker, on_devices, reference_scorer
+from tunix_train.parallel import fsdp
+from tunix_train.parallel.sharding import activate, per_shard_rules
+from tunix_train.training.setup import Setup
+
+# ---------------------------------------------------------------------------------------------
+# The formulas, against plain NumPy loops written from the issue's definitions.
+
+
+def numpy_advantages(rewards, kind):
+    out = np.zeros_like(rewards, dtype=np.float64)
+    for p, group in enumerate(rewards):
+        for i, r in enumerate(group):
+            mean = sum(group) / len(group)
+            if kind == "grpo":
+                std = (sum((x - mean) ** 2 for x in group) / len(group)) ** 0.5
+                out[p, i] = (r - mean) / (std + 1e-6)
+            elif kind == "dr_grpo":
+                out[p, i] = r - mean
+            else:
+                others = [x for j, x in enumerate(group) if j != i]
+                out[p, i] = r - sum(others) / len(others)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["grpo", "dr_grpo", "rloo"])
+def test_advantages_equal_numpy(kind):
+    rewards = np.random.default_rng(0).integers(0, 3, size=(5, 4)).astype(np.float32)
+    rewards[0] = 1.0  # a group without spread: no advantage at all
+    got = objective_lib.advantages(rewards, kind)
+    np.testing.assert_allclose(got, numpy_advantages(rewards, kind), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got[0], 0.0)
+
+
+def numpy_loss(logp, old, ref, adv, mask, eps, eps_high, beta, estimator, aggregation):
+    """Per-token terms and the aggregated loss, one token at a time."""
+    rows, total, count, policy_sum, kl_sum = len(logp), 0.0, 0.0, 0.0, 0.0
+    for i in range(rows):
+        n = mask[i].sum()
+        seq_loss = seq_policy = seq_kl = 0.0
+        for t in range(logp.shape[1]):
+            if not mask[i, t]:
+                continue
+            ratio = np.exp(logp[i, t] - old[i, t])
+            clipped = min(max(ratio, 1 - eps), 1 + eps_high)
+            policy = max(-adv[i] * ratio, -adv[i] * clipped)
+            delta = ref[i, t] - logp[i, t]
+            kl = np.exp(delta) - delta - 1 if estimator == "k3" else -delta
+            seq_loss += policy + beta * kl
+            seq_policy += policy
+            seq_kl += kl
+        if aggregation == "token-mean":
+            total, count = total + seq_loss, count + n
+            policy_sum, kl_sum = policy_sum + seq_policy, kl_sum + seq_kl
+        elif n:
+            total, count = total + seq_loss / n, count + 1
+            policy_sum, kl_sum = policy_sum + seq_policy / n, kl_sum + seq_kl / n
+    return total / count, policy_sum / count, kl_sum / count
+
+
+def loss_inputs():
+    rng = np.random.default_rng(1)
+    rows, length = 6, 9
+    logp = rng.normal(-2.0, 0.5, (rows, length))
+    old = logp + rng.normal(0.0, 0.6, (rows, length))  # ratios well outside [0.8, 1.2] too
+    ref = logp + rng.normal(0.0, 0.3, (rows, length))
+    adv = np.array([1.5, -0.7, 0.0, 2.0, -1.2, -0.3])
+    lengths = [9, 6, 1, 7, 0, 8]  # uneven, one empty (all padding)
+    mask = (np.arange(length)[None] < np.array(lengths)[:, None]).astype(np.float32)
+    return logp, old, ref, adv, mask
+
+
+@pytest.mark.parametrize("estimator", ["k3", "k1"])
+@pytest.mark.parametrize("aggregation", ["sequence-mean-token-mean", "token-mean"])
+def test_per_token_loss_kl_and_aggregation_equal_numpy(estimator, aggregation):
+    logp, old, ref, adv, mask = loss_inputs()
+    objective = objective_lib.Objective(epsilon=0.2, epsilon_high=0.28, beta=0.04,
+                                        kl_estimator=estimator, temperature=1.0)
+    adv_tokens = np.broadcast_to(adv[:, None], logp.shape)
+    terms = objective.terms(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(ref),
+                            jnp.asarray(adv_tokens))
+    # The fixture clips tokens on both sides, with both signs of advantage.
+    ratio = np.exp(logp - old)
+    clipped = np.asarray(terms["clipped"]) * mask
+    assert clipped[(ratio > 1.28) & (adv_tokens > 0)].any()
+    assert clipped[(ratio < 0.8) & (adv_tokens < 0)].any()
+    w = objective_lib.token_weights(mask, aggregation)
+    got = [float(jnp.sum(w * terms[k]) / np.sum(w)) for k in ("loss", "policy", "kl")]
+    want = numpy_loss(logp, old, ref, adv, mask, 0.2, 0.28, 0.04, estimator, aggregation)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollouts and the sharded update, on a tiny model.
+
+@pytest.fixture(scope="module")
+def sums(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("sums")
+    demo.write_sums(out)
+    return out
+
+
+def grpo_config(sums: Path, mesh: str, *extra: str):
+    return compose_config(
+        *TINY, "trainer=grpo", "data=prompts", f"data.path={sums / 'sums.jsonl'}",
+        "data.seq_len=16", "grpo.max_new_tokens=4", "training.global_batch_size=16",
+        "grpo.num_generations=4", "grpo.temperature=0.7", "grpo.top_k=8", "grpo.beta=0.04",
+        "training.gradient_accumulation_steps=2", f"model.mesh_shape={mesh}", *extra)
+
+
+def rollouts_on(sums: Path, mesh: str, devices: int, *extra: str):
+    cfg = grpo_config(sums, mesh, *extra)
+    setup = Setup.create(cfg, jax.devices()[:devices])
+    tokenizer = tokenizer_lib.open_tokenizer("byte")
+    prompts = read_prompts(cfg.data, tokenizer, 12)
+    maker = RolloutMaker(setup, cfg.grpo, tokenizer, Rewards.create(cfg.grpo, prompts[0].fields))
+    policy = setup.params.initial_params(0)
+    return setup, maker, maker.make(policy, prompts[:4], jax.random.key(1)), policy
+
+
+@pytest.mark.parametrize("mesh,devices", [("[[1,1],[fsdp,tp]]", 1), ("[[2,2],[fsdp,tp]]", 4)])
+def test_the_samplers_log_probs_are_the_tempered_policy_scored_by_teacher_forcing(sums, mesh,
+                                                                                    devices):
+    setup, maker, r, policy = rollouts_on(sums, mesh, devices)
+    batch = maker.update_batch(r, "token-mean")
+    scored = np.asarray(reference_scorer(setup, 0.7)(
+        policy, on_devices(batch, setup.batch_sharding)))
+    mask = batch["completion_mask"] > 0
+    assert mask.sum() == r.counts.sum() > 0
+    np.testing.assert_allclose(scored[mask], batch["old_logps"][mask], rtol=1e-4, atol=2e-5)
+
+
+def gradients(setup: Setup, batch: dict, params) -> tuple:
+    """GRPO's loss and gradients as the train step computes them (fsdp.accumulated_gradients)."""
+    options = setup.options
+    loss_fn = functools.partial(objective_lib.loss_sums,
+                                objective_lib.Objective.of(setup.cfg.grpo),
+                                setup.params.graphdef, vocab_chunks=options.vocab_chunks)
+
+    @jax.jit
+    def compute(params, batch):
+        with activate(options.mesh, per_shard_rules(options.rules)):
+            grads, loss, sums = fsdp.accumulated_gradients(options.sync, loss_fn, params, batch)
+        return jax.tree.map(lambda g: g / sums["tokens"], grads), loss / sums["tokens"], sums
+
+    return jax.device_get(compute(params, batch))
+
+
+def test_given_the_same_rollouts_loss_and_gradients_agree_on_1x1_and_2x2(sums):
+    one, maker, r, _ = rollouts_on(sums, "[[1,1],[fsdp,tp]]", 1)
+    host = maker.update_batch(r, "sequence-mean-token-mean")
+    # Fixed inputs that exercise every term: advantages of both signs (an untrained model earns
+    # no reward) and old log-probabilities away from the policy's (ratios beyond the clip).
+    rng = np.random.default_rng(0)
+    mask = host["completion_mask"]
+    host["advantages"] = np.broadcast_to(rng.normal(size=mask.shape[:2] + (1,)),
+                                         mask.shape).astype(np.float32)
+    host["old_logps"] = (host["old_logps"] + rng.normal(0, 0.4, mask.shape) * mask
+                         ).astype(np.float32)
+    results = []
+    for mesh, devices in (("[[1,1],[fsdp,tp]]", 1), ("[[2,2],[fsdp,tp]]", 4)):
+        setup = Setup.create(grpo_config(sums, mesh), jax.devices()[:devices])
+        # Another policy than the one that sampled and a third as the reference (non-zero KL).
+        params = setup.params.initial_params(2)
+        batch = on_devices(host, setup.batch_sharding)
+        batch["ref_logps"] = reference_scorer(setup, 0.7)(setup.params.initial_params(3), batch)
+        results.append(gradients(setup, batch, params))
+    (g1, loss1, sums1), (g2, loss2, sums2) = results
+    assert sums1["clipped"] > 0 and sums1["kl"] > 0
+    np.testing.assert_allclose(loss2, loss1, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):  # relative error of each tensor
+        assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a), np.linalg.norm(b - a) / np.linalg.norm(a)
+
+
+def test_reward_functions_by_name_weights_and_import_path(sums):
+    cfg = grpo_config(sums, "[[1,1],[fsdp,tp]]", "grpo.rewards=[answer,format,length,"
+                      "grpo_rewards:starts_with_a_digit]", "grpo.reward_weights=[1,0.5,1,2]",
+                      "grpo.format_pattern='\\d+'", "grpo.answer_pattern='^(\\d+)'",
+                      "grpo.length_buffer=2")
+    sys.path.insert(0, str(REPO / "tests"))
+    rewards = Rewards.create(cfg.grpo, {"answer": "7"})
+    total, each = rewards(["3+4="] * 4, ["7", "7 apples", "x", "12"], [2, 4, 3, 4],
+                          {"answer": ["7", "7", "7", "12.0"]})
+    np.testing.assert_array_equal(each["answer"], [1, 1, 0, 1])
+    np.testing.assert_array_equal(each["format"], [1, 0, 0, 1])
+    np.testing.assert_array_equal(each["length"], [0, -1, -0.5, -1])  # ramp over tokens 2..4
+    np.testing.assert_array_equal(each["grpo_rewards:starts_with_a_digit"], [1, 1, 0, 1])
+    np.testing.assert_allclose(total, [1 + 0.5 + 0 + 2, 1 + 0 - 1 + 2, 0 + 0 - 0.5 + 0,
+                                       1 + 0.5 - 1 + 2])
+
+
+# ---------------------------------------------------------------------------------------------
+# Through run_training.py: it learns, it resumes, it refuses bad input.
+
+def laptop_example(sums: Path, sft: Path) -> tuple[list[str], list[str]]:
+    """docs/grpo.md's SFT and GRPO commands, on this test's files."""
+    from test_docs import shown_commands, split_command
+
+    def localised(command: str) -> list[str]:
+        words = split_command(command)[1]
+        return [w.replace("demo_data/", f"{sums}/").replace("outputs/sums-sft", str(sft))
+                for w in words if not w.startswith("hydra.run.dir=")]
+
+    sft_command, grpo_command = shown_commands(REPO / "docs" / "grpo.md")
+    return localised(sft_command), localised(grpo_command)
+
+
+@pytest.fixture(scope="module")
+def sft(sums, tmp_path_factory) -> Path:
+    """The tiny model taught the format (and a little arithmetic) by docs/grpo.md's SFT run."""
+    run_dir = tmp_path_factory.mktemp("sft") / "run"
+    sft_args, _ = laptop_example(sums, run_dir)
+    result = run_cli([*sft_args, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+def grpo_args(sums: Path, sft: Path, run_dir: Path, *extra: str) -> list[str]:
+    _, args = laptop_example(sums, sft)
+    return [*args, "logging.every_steps=1", f"hydra.run.dir={run_dir}", *extra]
+
+
+def metrics(run_dir: Path, key: str) -> dict[int, float]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r[key] for r in lines if key in r}
+
+
+def test_the_laptop_example_learns_and_beats_a_control_run_with_lr_0(sums, sft, tmp_path):
+    window = 12
+    rewards = {}
+    for control in (False, True):
+        run_dir = tmp_path / f"control{control}"
+        result = run_cli(grpo_args(sums, sft, run_dir, *(["optimizer.lr=0"] if control else [])),
+                         cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "reward" in result.stdout  # the logged line shows it
+        rewards[control] = np.array(list(metrics(run_dir, "reward_mean").values()))
+    trained, control = rewards[False], rewards[True]
+    assert len(trained) == len(control) >= 4 * window
+    # Both runs see the same prompts in the same order and sample with the same keys: the first
+    # step is the same policy's, and the control stays where it started.
+    assert trained[0] == control[0]
+    first, last = trained[:window].mean(), trained[-window:].mean()
+    assert last > first + 0.1, (first, last)
+    assert last > control[-window:].mean() + 0.07, (last, control[-window:].mean())
+
+
+FAULTY = "tests/faulty_training.py"
+FAULTS = "TUNIX_TRAIN_TEST_FAULTS"
+
+
+def test_sigterm_then_restart_gives_the_uninterrupted_runs_losses(sums, sft, tmp_path):
+    steps = ["training.steps=5", "grpo.num_iterations=2", "training.gradient_accumulation_steps=2",
+             "checkpoint.every_steps=0"]
+    reference = tmp_path / "reference"
+    result = run_cli(grpo_args(sums, sft, reference, *steps), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir, go = tmp_path / "run", tmp_path / "go"
+    pause = {FAULTS: json.dumps({"pause_at_step": 2, "resume_file": str(go)})}
+    process = start_cli(grpo_args(sums, sft, run_dir, *steps), tmp_path, pause, script=FAULTY)
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if "paused after step 2 " in line:
+            process.send_signal(signal.SIGTERM)
+            go.touch()
+    assert process.wait(timeout=300) == 0, "".join(lines)[-3000:]
+    assert max(metrics(run_dir, "loss")) == 2
+    result = run_cli(grpo_args(sums, sft, run_dir, *steps), cwd=tmp_path)
+    assert result.returncode == 0 and "resuming from step 2" in result.stdout + result.stderr
+    for key in ("loss", "reward_mean", "kl", "clip_fraction"):
+        got, want = metrics(run_dir, key), metrics(reference, key)
+        assert [got[s] for s in (3, 4, 5)] == [want[s] for s in (3, 4, 5)], key
+
+
+BAD = {
+    "data.prompt_field=question": "data.prompt_field: ",
+    "grpo.rewards=[nosuch]": "neither a built-in reward",
+    "grpo.rewards=[grpo_rewards:raises]": "grpo_rewards:raises raised KeyError",
+    "grpo.rewards=[grpo_rewards:one_value_too_few]": "returned 0 values for 1 completions",
+    "grpo.num_generations=1": "grpo.num_generations=1 is out of range",
+    "training.global_batch_size=60": "grpo.num_generations=8 does not divide the 60 completions",
+}
+
+
+def test_bad_input_is_one_sentence_and_a_nonzero_exit(sums, tmp_path):
+    """Each through run_training.py's own entry point, in one process
+    (tests/bad_values_worker.py), before anything compiles."""
+    base = ["trainer=grpo", "data=prompts", f"data.path={sums / 'sums.jsonl'}",
+            "grpo.num_generations=8", "training.global_batch_size=64"]
+    runs = [[*base, override] for override in BAD]
+    env = cli_env({"PYTHONPATH": os.pathsep.join([str(REPO / "tests"),
+                                                  os.environ.get("PYTHONPATH", "")])})
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "bad_values_worker.py"),
+                             json.dumps([str(tmp_path), runs])], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for (override, expected), line in zip(BAD.items(), result.stdout.splitlines()):
+        run = json.loads(line)
+        assert run["code"] == 2, (override, run["stderr"][-2000:])
+        [message] = run["stderr"].strip().splitlines()
+        assert expected in message, (override, message)
+        assert "compiled step" not in run["log"]  # refused before compiling anything
+
+
+def test_two_processes_through_the_launcher(sums, sft, tmp_path):
+    """fsdp 2 × tp 2 over two processes of two devices: rollouts, rewards and updates agree
+    across processes (process 0's rewards are everyone's), and the run finishes and saves."""
+    from test_launch import devices_env, launch, only_run_dir
+
+    args = [a for a in grpo_args(sums, sft, tmp_path / "unused", "training.steps=2",
+                                 "model.mesh_shape=[[2,2],[fsdp,tp]]")
+            if not a.startswith("hydra.run.dir=")]
+    proc = launch(args, tmp_path, devices_env(2))
+    output = proc.communicate(timeout=400)[0]
+    assert proc.returncode == 0, output[-4000:]
+    run_dir = only_run_dir(tmp_path)
+    assert "tunix-grpo" in str(run_dir)  # trainer=grpo's own experiment name
+    rewards = metrics(run_dir, "reward_mean")
+    assert sorted(rewards) == [1, 2] and all(np.isfinite(list(metrics(run_dir, "loss").values())))
+    assert (run_dir / "checkpoints" / "2").is_dir()
