@@ -117,9 +117,8 @@ def test_per_token_loss_kl_and_aggregation_equal_numpy(estimator, aggregation):
 
 @pytest.fixture(scope="module")
 def sums(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("sums")
-    demo.write_sums(out)
-    return out
+    """docs/grpo.md's demo_data/grpo/ folder."""
+    return demo.write_sums(tmp_path_factory.mktemp("demo_data")).parent
 
 
 def grpo_config(sums: Path, mesh: str, *extra: str):
@@ -194,6 +193,23 @@ def test_given_the_same_rollouts_loss_and_gradients_agree_on_1x1_and_2x2(sums):
         assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a), np.linalg.norm(b - a) / np.linalg.norm(a)
 
 
+def test_parquet_prompts_equal_json_lines_and_the_chat_template_wraps_them(sums):
+    tokenizer = tokenizer_lib.open_tokenizer("byte")
+    cfg = grpo_config(sums, "[[1,1],[fsdp,tp]]")
+    jsonl = read_prompts(cfg.data, tokenizer, 12)
+    cfg.data.path = str(sums / "sums.parquet")
+    parquet = read_prompts(cfg.data, tokenizer, 12)
+    assert len(jsonl) == 100 and jsonl[7].fields == {"answer": str(int(jsonl[7].text[0]) +
+                                                                  int(jsonl[7].text[2]))}
+    assert [(p.text, p.ids, p.fields) for p in parquet] == [(p.text, p.ids, p.fields)
+                                                            for p in jsonl]
+    cfg.data.chat_template = True
+    wrapped = read_prompts(cfg.data, tokenizer, 64)
+    assert wrapped[0].ids[0] == tokenizer.bos_id and wrapped[0].text == jsonl[0].text
+    assert tokenizer.decode(wrapped[0].ids[1:]) == (
+        f"<start_of_turn>user\n{jsonl[0].text}<end_of_turn>\n<start_of_turn>model\n")
+
+
 def test_reward_functions_by_name_weights_and_import_path(sums):
     cfg = grpo_config(sums, "[[1,1],[fsdp,tp]]", "grpo.rewards=[answer,format,length,"
                       "grpo_rewards:starts_with_a_digit]", "grpo.reward_weights=[1,0.5,1,2]",
@@ -220,7 +236,7 @@ def laptop_example(sums: Path, sft: Path) -> tuple[list[str], list[str]]:
 
     def localised(command: str) -> list[str]:
         words = split_command(command)[1]
-        return [w.replace("demo_data/", f"{sums}/").replace("outputs/sums-sft", str(sft))
+        return [w.replace("demo_data/grpo/", f"{sums}/").replace("outputs/sums-sft", str(sft))
                 for w in words if not w.startswith("hydra.run.dir=")]
 
     sft_command, grpo_command = shown_commands(REPO / "docs" / "grpo.md")

@@ -9,9 +9,10 @@ standard library's source), in seconds and offline. docs/data.md's examples and 
     <dir>/tokens.bin        uint16 byte-tokenizer ids       data=tokens
     <dir>/spm.model         SentencePiece, 500 pieces       data.tokenizer=sentencepiece:…
     <dir>/bpe/              tokenizer.json + config, 500    data.tokenizer=hf:…
-    <dir>/sums_sft.jsonl    {"prompt": "3+4=", "response": "7"}     data=sft
-    <dir>/sums.jsonl        {"prompt": "3+4=", "answer": "7"}       trainer=grpo data=prompts
-    <dir>/sums.parquet      the same records                        trainer=grpo data=prompts
+    <dir>/grpo/sums_sft.jsonl  {"prompt": "3+4=", "response": "7"}  data=sft
+    <dir>/grpo/sums.jsonl      {"prompt": "3+4=", "answer": "7"}    trainer=grpo data=prompts
+    <dir>/grpo/sums.parquet    the same records                     trainer=grpo data=prompts
+    (in a folder of their own: data.path globs over <dir> would take prompts for documents)
 """
 
 from __future__ import annotations
@@ -74,7 +75,9 @@ def write_sft(out: Path, docs: list[str], pairs: int = 2000) -> Path:
 def write_sums(out: Path) -> Path:
     """A verifiable task for GRPO (docs/grpo.md): one-digit sums, every pair of digits. A few
     SFT steps on the pairs teach the format and a little arithmetic; GRPO prompts carry the
-    answer to check."""
+    answer to check. Returns sums.jsonl's path."""
+    out = out / "grpo"
+    out.mkdir(parents=True, exist_ok=True)
     pairs = [(a, b) for a in range(10) for b in range(10)]
     (out / "sums_sft.jsonl").write_text("".join(
         json.dumps({"prompt": f"{a}+{b}=", "response": str(a + b)}) + "\n" for a, b in pairs))
