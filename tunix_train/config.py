@@ -97,6 +97,7 @@ class TrainingConfig:
     eval_every_steps: int = 0  # 0 = evaluate only at the end
     profile_communication: bool = False
     nan_policy: str = "halt"  # halt | skip
+    offload_optimizer: bool = False  # Adam's moments in pinned host memory, streamed to the update
 
 
 @dataclass

@@ -11,6 +11,9 @@ themselves: fp32 parameters (4 bytes each), fp32 gradients (4) and Adam's two fp
 per parameter, each divided by the devices it is sharded over. Gradients are not part of the
 train state: they live in XLA's temporaries during the step, with the activations, and with
 `training.sync_gradients_every` > 1 with a whole unreduced gradient buffer (parallel/fsdp.py).
+
+With `training.offload_optimizer` the moments are in host memory: `host` is what XLA's compiled
+program keeps there (its entry layout's host memory space), and `total` is device memory only.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ UNITS = {"MB": 1e6, "GB": 1e9}
 
 @dataclass
 class StepCosts:
-    per_device_bytes: dict[str, int]  # params, grads, optimizer, grad_buffer, temp, total
+    per_device_bytes: dict[str, int]  # params, grads, optimizer(_host), grad_buffer, temp,
+    # total (device memory), host (host memory)
     xla_memory: dict[str, int]  # compiled.memory_analysis(): arguments, outputs, aliased, temp
     flops_per_step: float  # all devices, as compiled (remat recomputation included)
     comm: CommReport
@@ -43,12 +47,18 @@ class StepCosts:
              for k, v in {**self.per_device_bytes, **self.xla_memory}.items()}
         buffer = (f"; also there: a {f['grad_buffer']} unreduced gradient buffer"
                   if self.per_device_bytes["grad_buffer"] else "")
-        return [
+        host = self.per_device_bytes["host"]
+        lines = [
             f"memory per device (compiled step), from XLA: arguments {f['arguments']} + outputs "
-            f"{f['outputs']} - donated {f['aliased']} + temporaries {f['temp']} = {f['total']}",
+            f"{f['outputs']} - donated {f['aliased']} + temporaries {f['temp']} = {f['total']}"
+            + (f" on the device, {f['host']} in host memory" if host else ""),
             f"  model state: params {f['params']} and optimizer {f['optimizer']} (arguments), "
             f"grads {f['grads']} (temporaries, with the activations{buffer})",
         ]
+        if self.per_device_bytes["optimizer_host"]:
+            lines.append(f"  offloaded: {f['optimizer_host']} of the optimizer state lives in "
+                         f"pinned host memory and streams through the update")
+        return lines
 
     def sync_line(self) -> str:
         sync = self.sync
@@ -73,27 +83,48 @@ class StepCosts:
 def analyse(compiled: jax.stages.Compiled, sync: fsdp.GradientSync, abstract_params: Any,
             model_state: dict[str, int]) -> StepCosts:
     """`model_state`: per-device bytes of params, grads and optimizer (see `sharded_bytes`)."""
-    memory = compiled.memory_analysis()
-    xla = {"arguments": memory.argument_size_in_bytes, "outputs": memory.output_size_in_bytes,
-           "aliased": memory.alias_size_in_bytes, "temp": memory.temp_size_in_bytes}
+    text = compiled.as_text()
+    xla = _device_and_host(compiled.memory_analysis(), text)
     per_device = {
         **model_state,
         "grad_buffer": gradient_buffer_bytes(sync, abstract_params),
         "temp": xla["temp"],
         "total": xla["arguments"] + xla["outputs"] - xla["aliased"] + xla["temp"],
+        "host": xla["host_arguments"] + xla["host_outputs"] - xla["host_aliased"],
     }
-    module = hlo.parse(compiled.as_text())
+    module = hlo.parse(text)
     reduction = fsdp.local_gradient_bytes(sync, abstract_params, sync.reduce_dtype)
     comm = comm_report.from_hlo(module, sync.mesh, gradient_bytes=reduction)
     return StepCosts(per_device, xla, hlo.flops(module) * sync.mesh.devices.size, comm, module,
                      sync)
 
 
-def sharded_bytes(abstract: Any, shardings: Any, dtype: Any = None) -> int:
-    """Bytes one device holds of a tree of shapes laid out by `shardings` (even shards)."""
+def _device_and_host(memory: Any, hlo_text: str) -> dict[str, int]:
+    """memory_analysis() split into device and host memory. Backends with host memory spaces
+    report it apart; a CPU backend counts both as one, so the host part is read off the
+    program's entry layout and taken out (donated host arguments alias their outputs)."""
+    xla = {"arguments": memory.argument_size_in_bytes, "outputs": memory.output_size_in_bytes,
+           "aliased": memory.alias_size_in_bytes, "temp": memory.temp_size_in_bytes,
+           "host_arguments": memory.host_argument_size_in_bytes,
+           "host_outputs": memory.host_output_size_in_bytes,
+           "host_aliased": memory.host_alias_size_in_bytes}
+    if xla["host_arguments"] or xla["host_outputs"]:
+        return xla
+    arguments, outputs = (int(b) for b in hlo.host_bytes(hlo_text))
+    aliased = min(arguments, outputs)
+    xla.update(host_arguments=arguments, host_outputs=outputs, host_aliased=aliased,
+               arguments=xla["arguments"] - arguments, outputs=xla["outputs"] - outputs,
+               aliased=xla["aliased"] - aliased)
+    return xla
+
+
+def sharded_bytes(abstract: Any, shardings: Any, dtype: Any = None,
+                  memory_kind: str | None = None) -> int:
+    """Bytes one device holds of a tree of shapes laid out by `shardings` (even shards); only
+    those in `memory_kind` if given."""
     sizes = jax.tree.map(
-        lambda a, s: math.prod(s.shard_shape(a.shape)) * jnp.dtype(dtype or a.dtype).itemsize,
-        abstract, shardings)
+        lambda a, s: math.prod(s.shard_shape(a.shape)) * jnp.dtype(dtype or a.dtype).itemsize
+        if memory_kind in (None, s.memory_kind) else 0, abstract, shardings)
     return sum(jax.tree.leaves(sizes))
 
 

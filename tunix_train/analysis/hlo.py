@@ -67,6 +67,29 @@ def parse(hlo_text: str) -> Module:
 
 
 _LAYOUT_ONLY = ("bitcast", "copy", "reshape", "transpose")
+_LAID_OUT = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]\{([^}]*)\}")
+HOST_MEMORY_SPACE = "S(5)"  # how a layout marks an array in (pinned) host memory
+
+
+def host_bytes(hlo_text: str) -> tuple[float, float]:
+    """(argument bytes, result bytes) of the entry computation that XLA placed in host memory,
+    read off its `entry_computation_layout`: the same on every backend, including CPUs whose
+    `memory_analysis()` counts host and device memory as one."""
+    header = hlo_text.split("\n", 1)[0]
+    start = header.find("entry_computation_layout={")
+    if start < 0:
+        return 0.0, 0.0
+    start = header.index("{", start)
+    layout = header[start + 1:_matching(header, start)]
+    arguments, _, results = layout.partition(")->")
+
+    def on_host(text: str) -> float:
+        return sum(_DTYPE_BYTES.get(dtype, 0) * math.prod(ints(dims))
+                   for dtype, dims, tiling in _LAID_OUT.findall(text)
+                   if HOST_MEMORY_SPACE in tiling)
+
+    return on_host(arguments), on_host(results)
+
 
 
 def widened_from(inst: Instruction, by_name: dict[str, Instruction], module: Module) -> str | None:

@@ -33,7 +33,7 @@ from tunix_train.parallel import fsdp, sharding
 from tunix_train.parallel import mesh as mesh_lib
 from tunix_train.parallel.layout import ParamLayout
 from tunix_train.training import optim
-from tunix_train.training.state import StateLayout, TrainState
+from tunix_train.training.state import HOST, StateLayout, TrainState
 from tunix_train.training.train_step import (LossFn, StepOptions, jit_eval_step, jit_train_step,
                                              loss_sums)
 
@@ -62,7 +62,10 @@ class Setup:
         updates = config_lib.optimizer_steps(cfg)
         optimizer = optim.adamw(cfg.optimizer, updates)
         batch = batch_shape(cfg.training, cfg.data.seq_len, shape.fsdp)
-        return cls(cfg, params, StateLayout.create(params, optimizer), batch, optimizer,
+        if t.offload_optimizer:
+            _check_host_memory(devices)
+        state = StateLayout.create(params, optimizer, t.offload_optimizer)
+        return cls(cfg, params, state, batch, optimizer,
                    optim.schedule(cfg.optimizer, updates), step_options(cfg, params, batch))
 
     @property
@@ -160,8 +163,19 @@ class Setup:
             "grads": costs.sharded_bytes(abstract["params"], self.params.grad_shardings,
                                          jnp.float32),
             "optimizer": costs.sharded_bytes(abstract["opt_state"], shardings["opt_state"]),
+            "optimizer_host": costs.sharded_bytes(abstract["opt_state"], shardings["opt_state"],
+                                                  memory_kind=HOST),
         }
         return costs.analyse(compiled, self.options.sync, abstract["params"], model_state)
+
+
+def _check_host_memory(devices: list[jax.Device]) -> None:
+    lacking = [d for d in devices if "pinned_host" not in
+               {m.kind for m in d.addressable_memories()}]
+    if lacking:
+        raise ConfigError(
+            f"training.offload_optimizer=true needs pinned host memory, which {lacking[0]} "
+            f"({lacking[0].platform}) does not offer; set training.offload_optimizer=false.")
 
 
 def step_options(cfg: Config, params: ParamLayout, batch: BatchShape) -> StepOptions:

@@ -3,6 +3,9 @@
 The state is a plain dict so that checkpoints read as plain trees: `{"step": int32[],
 "params": {...}, "opt_state": optax state}`. Its layout extends the parameters' (ParamLayout):
 optimizer moments are sharded like their parameter at ZeRO stage 1 and up, scalars replicated.
+With `training.offload_optimizer` (ZeRO-Offload) the moments live in pinned host memory, each
+device's shard in its own host's: the train step brings them to the device for the update and
+sends the new ones back (training/train_step.py); the step counters stay on the device.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from tunix_train.parallel.layout import ParamLayout
 from tunix_train.parallel.sharding import optimizer_shardings, replicated
 
 TrainState = dict[str, Any]
+HOST, DEVICE = "pinned_host", "device"  # JAX memory kinds
 
 
 @dataclass(frozen=True)
@@ -30,17 +34,37 @@ class StateLayout:
     shardings: TrainState  # NamedSharding leaves, same structure
 
     @classmethod
-    def create(cls, params: ParamLayout, optimizer: optax.GradientTransformation) -> StateLayout:
+    def create(cls, params: ParamLayout, optimizer: optax.GradientTransformation,
+               offload_optimizer: bool = False) -> StateLayout:
         opt_state = jax.eval_shape(optimizer.init, params.abstract)
         abstract = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params.abstract,
                     "opt_state": opt_state}
+        moments = params.moment_shardings
+        if offload_optimizer:
+            moments = jax.tree.map(lambda s: s.with_memory_kind(HOST), moments)
         shardings = {
             "step": replicated(params.mesh),
             "params": params.shardings,
-            "opt_state": optimizer_shardings(optimizer, opt_state, params.moment_shardings,
-                                             params.mesh),
+            "opt_state": optimizer_shardings(optimizer, opt_state, moments, params.mesh),
         }
         return cls(params, abstract, shardings)
+
+    @property
+    def offloaded(self) -> bool:
+        return any(s.memory_kind == HOST for s in jax.tree.leaves(self.shardings["opt_state"]))
+
+    def on_device(self, opt_state: Any) -> Any:
+        """The optimizer state moved to device memory, each shard where it is (a no-op unless
+        offloaded)."""
+        if not self.offloaded:
+            return opt_state
+        return jax.device_put(opt_state, jax.tree.map(lambda s: s.with_memory_kind(DEVICE),
+                                                      self.shardings["opt_state"]))
+
+    def to_home(self, opt_state: Any) -> Any:
+        """The optimizer state moved to where the layout keeps it (host memory if offloaded)."""
+        return jax.device_put(opt_state, self.shardings["opt_state"]) if self.offloaded \
+            else opt_state
 
     def with_shardings(self) -> TrainState:
         """The abstract state carrying its shardings (a restore or compile target)."""

@@ -76,11 +76,12 @@ def train_step_fn(layout: StateLayout, optimizer: optax.GradientTransformation,
         # so the optimizer's finiteness guard skips the update even if the gradients were finite.
         denominator = jnp.where(jnp.isfinite(loss_sum), jnp.maximum(tokens, 1.0), jnp.nan)
         grads = jax.tree.map(lambda g: (g / denominator).astype(jnp.float32), grads)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        opt_state = layout.on_device(state["opt_state"])  # offloaded: host → device
+        updates, opt_state = optimizer.update(grads, opt_state, state["params"])
         new_state = {
             "step": state["step"] + 1,
             "params": optax.apply_updates(state["params"], updates),
-            "opt_state": opt_state,
+            "opt_state": layout.to_home(opt_state),
         }
         metrics = {
             "loss": loss_sum / denominator,
