@@ -24,8 +24,9 @@ def test_five_local_then_one_global_like_gemma3():
     kinds = [kind for kind, _ in placement]
     assert len(kinds) == 26
     assert [i for i, k in enumerate(kinds) if k == "global"] == [5, 11, 17, 23]
-    # Each kind's stack is indexed in layer order.
-    assert [i for k, i in placement if k == "local"] == list(range(22))
+    # Each stack is indexed in layer order; the two locals after the last block have their own.
+    assert [i for k, i in placement if k == "local"] == list(range(20))
+    assert placement[24:] == [("trailing", 0), ("trailing", 1)]
 
 
 @pytest.mark.parametrize("name,expected", [("gemma3_270m", 268e6), ("gemma3_1b", 1.0e9),

@@ -1,10 +1,13 @@
 """The Gemma 3 decoder with scanned layers.
 
 Gemma 3 interleaves local (sliding-window, RoPE base 10k) and global (full causal, RoPE base 1M)
-layers, one global after every `global_every - 1` local ones. The two kinds are kept in two
-stacks so that each kind's attention is static (a fixed window is what lets cuDNN's flash
-attention run), and the forward pass is a scan over blocks of [locals..., global] followed by a
-scan over the trailing locals. Compile time is therefore independent of depth.
+layers, one global after every `global_every - 1` local ones. The layers are kept in three
+stacks, so that each kind's attention is static (a fixed window is what lets cuDNN's flash
+attention run): the locals and the globals of the repeating [locals..., global] blocks, and the
+locals that trail the last block (gemma3_1b: 4 blocks of 6 layers, then 2). The forward pass is
+a scan over the blocks followed by a scan over the trailing locals, so compile time is
+independent of depth; the blocks are also what pipeline stages are cut from (parallel/
+pipeline.py), which is why the trailing locals have a stack of their own.
 `model.unroll_layers=true` unrolls those scans: on CPU the step runs ~1.4x faster (XLA
 schedules across layers), at a compile time that grows with depth.
 """
@@ -33,7 +36,9 @@ REMAT_POLICIES = {name: never_saving_materialized(policy) for name, policy in {
 }.items()}
 
 
-LAYERS = "layers"  # logical axis of a scanned stack of layers
+LAYERS = "layers"  # logical axis of a scanned stack of block layers (pipeline stages cut it)
+TRAILING = "trailing_layers"  # logical axis of the stack of locals after the last block
+KINDS = ("local", "global", "trailing")  # the stacks, as named in caches and placements
 
 
 @dataclass(frozen=True)
@@ -57,24 +62,30 @@ class LayerLayout:
     def num_global(self) -> int:
         return self.num_blocks
 
+    def count(self, kind: str) -> int:
+        """Layers in one stack: "local" (of the blocks), "global" or "trailing"."""
+        return {"local": self.num_blocks * self.locals_per_block, "global": self.num_blocks,
+                "trailing": self.trailing_locals}[kind]
+
     def placement(self) -> list[tuple[str, int]]:
-        """For each layer in order: ("local" | "global", index inside that kind's stack)."""
-        counts, out = {"local": 0, "global": 0}, []
+        """For each layer in order: (its stack in KINDS, its index inside that stack)."""
+        counts, out = dict.fromkeys(KINDS, 0), []
         period = self.locals_per_block + 1
         for layer in range(self.num_blocks * period + self.trailing_locals):
-            kind = "global" if layer % period == period - 1 and layer < self.num_blocks * period \
-                else "local"
+            kind = ("trailing" if layer >= self.num_blocks * period else
+                    "global" if layer % period == period - 1 else "local")
             out.append((kind, counts[kind]))
             counts[kind] += 1
         return out
 
 
-def _stacked_layers(cfg: ModelConfig, count: int, rngs: nnx.Rngs) -> DecoderLayer | None:
+def _stacked_layers(cfg: ModelConfig, count: int, rngs: nnx.Rngs,
+                    axis: str = LAYERS) -> DecoderLayer | None:
     if count == 0:
         return None
 
     @nnx.split_rngs(splits=count)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
     def make(layer_rngs: nnx.Rngs) -> DecoderLayer:
         return DecoderLayer(cfg, layer_rngs)
 
@@ -87,8 +98,9 @@ class Gemma3(nnx.Module):
         self.layout = LayerLayout.of(cfg)
         self.remat = remat
         self.embedder = Embedder(cfg, rngs)
-        self.local_layers = _stacked_layers(cfg, self.layout.num_local, rngs)
-        self.global_layers = _stacked_layers(cfg, self.layout.num_global, rngs)
+        self.local_layers = _stacked_layers(cfg, self.layout.count("local"), rngs)
+        self.global_layers = _stacked_layers(cfg, self.layout.count("global"), rngs)
+        self.trailing_layers = _stacked_layers(cfg, self.layout.count("trailing"), rngs, TRAILING)
         self.final_norm = RMSNorm(cfg.embed_dim, cfg.rms_norm_eps)
 
     def __call__(
@@ -116,90 +128,118 @@ class Gemma3(nnx.Module):
         """The final normalised hidden states [B, L, D], the output head's input."""
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(tokens_BxL.shape[1]), tokens_BxL.shape)
+        x_BxLxD = self.embed(tokens_BxL)
+        x_BxLxD = self.blocks(x_BxLxD, positions_BxL, segment_ids_BxL)
+        return self.tail(x_BxLxD, positions_BxL, segment_ids_BxL)
+
+    def embed(self, tokens_BxL: jax.Array) -> jax.Array:
         x_BxLxD = self.embedder.encode(tokens_BxL)
-        x_BxLxD = constrain(x_BxLxD, ("act_batch", "act_seq", "act_embed"))
-        local_rope, global_rope = self._rope(positions_BxL)
-        local_step = self._scan_step(self.local_layers, local_rope, segment_ids_BxL,
-                                     self.cfg.sliding_window)
-        global_step = self._scan_step(self.global_layers, global_rope, segment_ids_BxL, None)
-        x_BxLxD, _, _ = self._run_layers(x_BxLxD, local_step, global_step,
-                                         self._state(self.local_layers),
-                                         self._state(self.global_layers))
+        return constrain(x_BxLxD, ("act_batch", "act_seq", "act_embed"))
+
+    def blocks(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
+               segment_ids_BxL: jax.Array | None) -> jax.Array:
+        """The [locals..., global] blocks whose layers this module holds: all of them, or one
+        pipeline stage's when the stacks are a stage's slices (parallel/pipeline.py)."""
+        steps = self._scan_steps(positions_BxL, segment_ids_BxL, ("local", "global"))
+        x_BxLxD, _ = self._run_blocks(x_BxLxD, steps, self._states(("local", "global")))
+        return x_BxLxD
+
+    def tail(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
+             segment_ids_BxL: jax.Array | None) -> jax.Array:
+        """The trailing locals and the final norm."""
+        if self.trailing_layers is not None:
+            step = self._scan_steps(positions_BxL, segment_ids_BxL, ("trailing",))["trailing"]
+            x_BxLxD, _ = jax.lax.scan(step, x_BxLxD, nnx.state(self.trailing_layers),
+                                      unroll=self.cfg.unroll_layers)
         return _materialized(self.final_norm)(x_BxLxD)
 
     def decode(self, tokens_BxT: jax.Array, positions_BxT: jax.Array,
                cache: kv_cache.Cache) -> tuple[jax.Array, kv_cache.Cache]:
         """Logits [B, T, V] of T new tokens attending to the cache and themselves; the cache
         with the new keys and values written. Positions < 0 mark padding (attends to nothing)."""
-        x_BxTxD = self.embedder.encode(tokens_BxT)
-        x_BxTxD = constrain(x_BxTxD, ("act_batch", "act_seq", "act_embed"))
-        local_rope, global_rope = self._rope(positions_BxT)
-        steps, xs = [], []  # per kind: the scan body, and (layer params, layer caches) to scan
-        for kind, stack, rope, window in (
-                ("local", self.local_layers, local_rope, self.cfg.sliding_window),
-                ("global", self.global_layers, global_rope, None)):
-            present = stack is not None
-            steps.append(self._decode_step(stack, rope, positions_BxT, cache[kind],
-                                           cache["next"], window) if present else None)
-            xs.append((nnx.state(stack), cache[kind]["layers"]) if present else None)
-        x_BxTxD, local_kv, global_kv = self._run_layers(x_BxTxD, *steps, *xs)
+        x_BxTxD = self.embed(tokens_BxT)
+        ropes = self._rope(positions_BxT)
+        steps, xs = {}, {}  # per stack: the scan body, and (layer params, layer caches) to scan
+        for kind in KINDS:
+            stack = self._stack(kind)
+            if stack is not None:
+                window = None if kind == "global" else self.cfg.sliding_window
+                steps[kind] = self._decode_step(stack, ropes[kind], positions_BxT, cache[kind],
+                                                cache["next"], window)
+                xs[kind] = (nnx.state(stack), cache[kind]["layers"])
+        x_BxTxD, kvs = self._run_blocks(x_BxTxD, steps, xs)
+        if "trailing" in steps:
+            x_BxTxD, kvs["trailing"] = jax.lax.scan(steps["trailing"], x_BxTxD, xs["trailing"])
         logits_BxTxV = self.embedder.decode(_materialized(self.final_norm)(x_BxTxD))
-        return logits_BxTxV, kv_cache.advance(cache, positions_BxT, local_kv, global_kv)
+        return logits_BxTxV, kv_cache.advance(cache, positions_BxT, kvs)
 
     def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype) -> kv_cache.Cache:
         """An empty cache for rows of up to `max_len` tokens (prompt and generated together)."""
         cfg, layout = self.cfg, self.layout
         cache = {"next": jnp.zeros((), jnp.int32)}
-        for kind, count, size in (("local", layout.num_local, min(cfg.sliding_window, max_len)),
-                                  ("global", layout.num_global, max_len)):
-            if count:
-                cache[kind] = kv_cache.empty(count, batch, size, cfg.num_kv_heads, cfg.head_dim,
-                                             dtype)
+        for kind in KINDS:
+            size = max_len if kind == "global" else min(cfg.sliding_window, max_len)
+            if layout.count(kind):
+                cache[kind] = kv_cache.empty(layout.count(kind), batch, size, cfg.num_kv_heads,
+                                             cfg.head_dim, dtype)
         return cache
 
-    def _rope(self, positions_BxL: jax.Array):
+    def _stack(self, kind: str) -> DecoderLayer | None:
+        return getattr(self, f"{kind}_layers")
+
+    def _states(self, kinds) -> dict[str, nnx.State]:
+        return {kind: nnx.state(self._stack(kind)) for kind in kinds
+                if self._stack(kind) is not None}
+
+    def _rope(self, positions_BxL: jax.Array) -> dict[str, tuple]:
         cfg = self.cfg
-        return (rope_tables(positions_BxL, cfg.head_dim, cfg.local_rope_base, 1.0),
-                rope_tables(positions_BxL, cfg.head_dim, cfg.global_rope_base,
-                            cfg.global_rope_scale))
+        local = rope_tables(positions_BxL, cfg.head_dim, cfg.local_rope_base, 1.0)
+        return {"local": local, "trailing": local,
+                "global": rope_tables(positions_BxL, cfg.head_dim, cfg.global_rope_base,
+                                      cfg.global_rope_scale)}
 
-    def _run_layers(self, x, local_step, global_step, local_xs, global_xs):
-        """Runs every layer in Gemma's order: a scan over [locals..., global] blocks, then a scan
-        over the trailing locals. `*_xs` are per-layer inputs stacked like the layers (parameters,
-        and caches when decoding); returns x and the per-layer outputs, stacked the same way."""
-        layout = self.layout
-        n_blocked = layout.num_blocks * layout.locals_per_block
-        local_ys = global_ys = None
-        if layout.num_blocks:
-            blocked = jax.tree.map(
-                lambda a: a[:n_blocked].reshape(layout.num_blocks, layout.locals_per_block,
-                                                *a.shape[1:]), local_xs)
+    def _run_blocks(self, x, steps: dict, xs: dict):
+        """Runs the [locals..., global] blocks: a scan over blocks, each a scan over its locals
+        then its global. `xs`: per stack, per-layer inputs stacked like the layers (parameters,
+        and caches when decoding); returns x and per stack the per-layer outputs, stacked the
+        same way. How many blocks there are is read off the global stack (a pipeline stage
+        holds a slice of it)."""
+        if "global" not in xs:
+            return x, {}
+        blocks = jax.tree.leaves(xs["global"])[0].shape[0]
+        per_block = self.layout.locals_per_block
+        local_xs = jax.tree.map(lambda a: a.reshape(blocks, per_block, *a.shape[1:]),
+                                xs.get("local"))
 
-            def block(x, xs):
-                ys = None
-                if layout.locals_per_block:
-                    x, ys = jax.lax.scan(local_step, x, xs[0], unroll=self.cfg.unroll_layers)
-                x, global_ys = global_step(x, xs[1])
-                return x, (ys, global_ys)
+        def block(x, block_xs):
+            local_ys = None
+            if per_block:
+                x, local_ys = jax.lax.scan(steps["local"], x, block_xs[0],
+                                           unroll=self.cfg.unroll_layers)
+            x, global_ys = steps["global"](x, block_xs[1])
+            return x, (local_ys, global_ys)
 
-            x, (local_ys, global_ys) = jax.lax.scan(block, x, (blocked, global_xs),
-                                                   unroll=self.cfg.unroll_layers)
-            local_ys = jax.tree.map(lambda a: a.reshape(n_blocked, *a.shape[2:]), local_ys)
-        if layout.trailing_locals:
-            trailing = jax.tree.map(lambda a: a[n_blocked:], local_xs)
-            x, trailing_ys = jax.lax.scan(local_step, x, trailing,
-                                          unroll=self.cfg.unroll_layers)
-            local_ys = trailing_ys if local_ys is None else jax.tree.map(
-                lambda a, b: jnp.concatenate([a, b]), local_ys, trailing_ys)
-        return x, local_ys, global_ys
+        x, (local_ys, global_ys) = jax.lax.scan(block, x, (local_xs, xs["global"]),
+                                               unroll=self.cfg.unroll_layers)
+        ys = {"global": global_ys}
+        if per_block:
+            ys["local"] = jax.tree.map(lambda a: a.reshape(blocks * per_block, *a.shape[2:]),
+                                       local_ys)
+        return x, ys
 
-    @staticmethod
-    def _state(stack: DecoderLayer | None) -> nnx.State | None:
-        return None if stack is None else nnx.state(stack)
+    def _scan_steps(self, positions_BxL, segment_ids_BxL, kinds) -> dict:
+        """The remat'ed scan body of each stack in `kinds` that has layers."""
+        ropes = self._rope(positions_BxL)
+        steps = {}
+        for kind in kinds:
+            stack = self._stack(kind)
+            if stack is None:
+                continue
+            window = None if kind == "global" else self.cfg.sliding_window
+            steps[kind] = self._scan_step(stack, ropes[kind], segment_ids_BxL, window)
+        return steps
 
     def _scan_step(self, stack, cos_sin, segment_ids_BxL, window):
-        if stack is None:
-            return None
         graphdef = nnx.graphdef(stack)
 
         def step(x_BxLxD, layer_state):

@@ -7,10 +7,10 @@ Each slot remembers the position of its token (-1 = empty or padding), and atten
 built from positions alone, so padding, ring wrap-around and the window are handled alike.
 
     cache = {"local":  {"layers": {"k", "v": [layers, B, S, K, H]}, "positions": [B, S]},
-             "global": {... the same ...},
+             "global": {... the same ...}, "trailing": {... the same ...},
              "next": int32[]  (column of the next token written)}
 
-A kind with no layers (e.g. no global layer) has no entry.
+One entry per layer stack (models/gemma3.py); a stack with no layers has none.
 """
 
 from __future__ import annotations
@@ -69,10 +69,11 @@ def _slots(next_column: jax.Array, new: int, size: int) -> tuple[jax.Array, int]
     return (next_column + new - n + jnp.arange(n)) % size, n
 
 
-def advance(cache: Cache, positions_BxT: jax.Array, local_kv, global_kv) -> Cache:
-    """The cache after T new tokens: their keys/values (written per layer) and positions."""
+def advance(cache: Cache, positions_BxT: jax.Array, kvs: dict) -> Cache:
+    """The cache after T new tokens: their keys/values (written per layer, per stack in `kvs`)
+    and positions."""
     new = dict(cache, next=cache["next"] + positions_BxT.shape[1])
-    for kind, kv in (("local", local_kv), ("global", global_kv)):
+    for kind, kv in kvs.items():
         if kind in cache:
             slots, n = _slots(cache["next"], positions_BxT.shape[1],
                               cache[kind]["positions"].shape[1])

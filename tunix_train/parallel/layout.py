@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from tunix_train.config import ModelConfig
 from tunix_train.models import hf_weights
-from tunix_train.models.gemma3 import LAYERS, Gemma3
+from tunix_train.models.gemma3 import LAYERS, TRAILING, Gemma3
 from tunix_train.parallel import sharding
 
 
@@ -34,7 +34,8 @@ class ParamLayout:
     shardings: Any  # NamedSharding per parameter, as stored
     grad_shardings: Any  # NamedSharding per parameter's reduced gradient
     moment_shardings: Any  # NamedSharding of a parameter-shaped optimizer moment
-    stacked: Any  # bool per parameter: a scanned layer stack (leading logical axis "layers")
+    stacked: Any  # bool per parameter: a scanned layer stack (leading axis "layers" or
+    # "trailing_layers")
     compute_dtype: jnp.dtype  # what the fp32 parameters are cast to for compute
 
     @classmethod
@@ -48,7 +49,8 @@ class ParamLayout:
             return nnx.to_pure_dict(sharding.state_shardings(variables, mesh, rules_of_state))
 
         stacked = nnx.to_pure_dict(nnx.map_state(
-            lambda _, v: v.replace(v.get_metadata()["out_sharding"][0] == LAYERS), variables))
+            lambda _, v: v.replace(v.get_metadata()["out_sharding"][0] in (LAYERS, TRAILING)),
+            variables))
         return cls(mesh, rules, model, graphdef, nnx.to_pure_dict(variables),
                    shardings(rules.params), shardings(rules.grads), shardings(rules.optimizer),
                    stacked, compute_dtype(mixed_precision))

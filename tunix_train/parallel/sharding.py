@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tunix_train.config import ConfigError, ModelConfig
-from tunix_train.parallel.mesh import FSDP, TP
+from tunix_train.parallel.mesh import FSDP, PP, TP
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,8 @@ RULES: dict[str, str | None] = {
     "q_heads": TP,
     "kv_heads": TP,  # dropped automatically when tp does not divide num_kv_heads (MQA)
     "head_dim": None,
-    "layers": None,
+    "layers": PP,  # the blocks' layer stacks: each pipeline stage holds its own (pp meshes)
+    "trailing_layers": None,
     "norm": None,
     # Activations.
     "act_batch": FSDP,
@@ -86,6 +87,8 @@ def resolve_rules(model: ModelConfig, mesh: Mesh) -> dict[str, str | None]:
             f"known ones are {sorted(RULES)}."
         )
     rules = {**RULES, **model.sharding_rules}
+    if PP not in mesh.shape:
+        rules = {name: None if axis == PP else axis for name, axis in rules.items()}
     dims = logical_dims(model)
     for name, axis in rules.items():
         if axis is not None and axis not in mesh.shape:
