@@ -98,6 +98,7 @@ class TrainingConfig:
     profile_communication: bool = False
     nan_policy: str = "halt"  # halt | skip
     offload_optimizer: bool = False  # Adam's moments in pinned host memory, streamed to the update
+    pipeline_microbatches: Optional[int] = None  # per micro-step, with a pp axis; None: bubble <= 25%
 
 
 @dataclass
@@ -291,7 +292,7 @@ _RANGES = {
     ("training", "micro_batch_size"): _COUNT, ("training", "global_batch_size"): _COUNT,
     ("training", "gradient_accumulation_steps"): _COUNT,
     ("training", "sync_gradients_every"): _COUNT, ("training", "zero_stage"): _Range(0, 3),
-    ("training", "loss_vocab_chunk"): _COUNT, ("training", "eval_every_steps"): _NATURAL,
+    ("training", "loss_vocab_chunk"): _COUNT, ("training", "pipeline_microbatches"): _COUNT, ("training", "eval_every_steps"): _NATURAL,
     ("checkpoint", "every_steps"): _NATURAL, ("checkpoint", "keep"): _COUNT,
     ("logging", "every_steps"): _COUNT, ("logging", "peak_tflops"): _POSITIVE,
     ("generate", "max_new_tokens"): _COUNT, ("generate", "temperature"): _NATURAL,
@@ -359,6 +360,10 @@ def _validate_trainer(cfg: Config) -> None:
     if cfg.training.eval_every_steps:
         raise ConfigError(f"training.eval_every_steps={cfg.training.eval_every_steps} has no "
                           f"meaning with trainer=grpo (rewards are logged every step); set it to 0.")
+    mesh = cfg.model.mesh_shape
+    if mesh is not None and "pp" in list(mesh[1]) and int(mesh[0][list(mesh[1]).index("pp")]) != 1:
+        raise ConfigError(f"model.mesh_shape={mesh} has pipeline stages, which trainer=grpo does "
+                          f"not support yet; put those devices on fsdp or tp instead.")
 
 
 def optimizer_steps(cfg: Config) -> int:

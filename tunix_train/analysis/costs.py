@@ -129,10 +129,11 @@ def sharded_bytes(abstract: Any, shardings: Any, dtype: Any = None,
 
 
 def gradient_buffer_bytes(sync: fsdp.GradientSync, abstract_params: Any) -> int:
-    """With reductions spaced out over several micro-steps (sync_every > 1): the whole local
-    unreduced gradient (compute dtype) and its fp32 accumulator. None otherwise: each layer's
-    gradient is reduced where the backward pass produces it."""
-    if sync.sync_every == 1:
+    """With reductions spaced out over several micro-steps (sync_every > 1) or pipeline stages:
+    the whole local unreduced gradient and, over several micro-steps, its fp32 accumulator.
+    None otherwise: each layer's gradient is reduced where the backward pass produces it."""
+    if sync.reduces_per_layer:
         return 0
-    return (fsdp.local_gradient_bytes(sync, abstract_params, sync.compute_dtype)
-            + fsdp.local_gradient_bytes(sync, abstract_params, jnp.float32))
+    local = fsdp.local_gradient_bytes(sync, abstract_params, sync.local_grad_dtype)
+    return local + (fsdp.local_gradient_bytes(sync, abstract_params, jnp.float32)
+                    if sync.sync_every > 1 else 0)

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tunix_train.parallel.mesh import FSDP
+from tunix_train.parallel.mesh import FSDP, PP
 from tunix_train.models import params as model_params
 
 SYNC_SCOPE = "gradient_sync"  # named scope of the reductions; the comm report looks for it
@@ -64,6 +64,28 @@ class GradientSync:
     @property
     def fsdp(self) -> int:
         return self.mesh.shape[FSDP]
+
+    @property
+    def pp(self) -> int:
+        return self.mesh.shape.get(PP, 1)
+
+    @property
+    def reduces_per_layer(self) -> bool:
+        """Whether each layer's gradient is reduced inside the backward pass. Not with
+        `sync_every` > 1, nor with pipeline stages: a stage runs its layers once per pipeline
+        iteration, so its gradients are summed locally and reduced once per micro-batch."""
+        return self.sync_every == 1 and self.pp == 1
+
+    @property
+    def local_grad_dtype(self) -> jnp.dtype:
+        """The dtype an unreduced micro-batch gradient is summed in on the device: fp32 across
+        a pipeline's iterations, else the compute dtype (then summed in fp32 across
+        micro-steps)."""
+        return jnp.dtype(jnp.float32 if self.pp > 1 else self.compute_dtype)
+
+    @property
+    def manual_axes(self) -> set[str]:
+        return {FSDP, PP} if self.pp > 1 else {FSDP}
 
     @property
     def reductions_per_step(self) -> int:
@@ -221,24 +243,28 @@ def _fsdp_axis(spec: P) -> int | None:
     return next((i for i, axis in enumerate(spec) if axis == FSDP), None)
 
 
-def _fsdp_only(spec: P) -> P:
-    """The manual (fsdp) part of a spec: shard_map's in/out specs name only manual axes."""
-    return P(*(FSDP if axis == FSDP else None for axis in spec))
+_MANUAL = (FSDP, PP)  # the shard_map's manual axes (pp only on pipeline meshes)
+
+
+def _manual_only(spec: P) -> P:
+    """The manual (fsdp, pp) part of a spec: shard_map's in/out specs name only manual axes."""
+    return P(*(axis if axis in _MANUAL else None for axis in spec))
 
 
 def _without_fsdp(spec: P, skip: int = 0) -> P:
     """The automatic (tp) part of a spec, less its first `skip` axes."""
-    return P(*tuple(None if axis == FSDP else axis for axis in spec)[skip:])
+    return P(*tuple(None if axis in _MANUAL else axis for axis in spec)[skip:])
 
 
-def _local_shape(shape: tuple[int, ...], spec: P, fsdp: int) -> tuple[int, ...]:
-    axis = _fsdp_axis(spec)
-    return tuple(d // fsdp if i == axis else d for i, d in enumerate(shape))
+def _local_shape(shape: tuple[int, ...], spec: P, mesh: Mesh, axes=_MANUAL) -> tuple[int, ...]:
+    """The block of `shape` one device holds along the manual `axes` of `spec`."""
+    return tuple(d // mesh.shape[a] if a in axes else d for d, a in
+                 zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))))
 
 
 def _hows(sync: GradientSync, params: Any) -> Any:
     """A `_How` per parameter; axes of stacked layers count from one layer's slice."""
-    reduce = sync.sync_every == 1
+    reduce = sync.reduces_per_layer
 
     def how(p, param_spec, grad_spec, stacked):
         shift = 1 if stacked else 0
@@ -246,18 +272,22 @@ def _hows(sync: GradientSync, params: Any) -> Any:
         return _How(None if gather is None else gather - shift,
                     None if scatter is None else scatter - shift,
                     _without_fsdp(param_spec, shift), reduce,
-                    sync.compute_dtype, sync.reduce_dtype,
-                    jnp.float32 if reduce else sync.compute_dtype)
+                    sync.compute_dtype, sync.reduce_dtype, _local_dtype(sync, reduce))
 
     return jax.tree.map(how, params, sync.param_specs, sync.grad_specs, sync.stacked)
 
 
+def _local_dtype(sync: GradientSync, reduced: bool):
+    return jnp.float32 if reduced else sync.local_grad_dtype
+
+
 def _gradient_zeros(sync: GradientSync, params: Any, reduced: bool, dtype) -> Any:
     """Zeros shaped like this device's gradient of each parameter: its reduced shard, or the
-    local whole."""
+    local whole (of this pipeline stage's layers)."""
     return jax.tree.map(
-        lambda p, spec: jnp.zeros(_local_shape(p.shape, spec, sync.fsdp) if reduced else p.shape,
-                                  dtype), params, sync.grad_specs)
+        lambda p, spec: jnp.zeros(_local_shape(p.shape, spec, sync.mesh,
+                                               _MANUAL if reduced else (PP,)), dtype),
+        params, sync.grad_specs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,10 +308,15 @@ def _first(tree: Any) -> Any:
 
 
 def _reduce_all(sync: GradientSync, grads: Any) -> Any:
-    """One reduction of a whole local gradient (sync_every > 1)."""
+    """One reduction of a whole local gradient (sync_every > 1, or pipeline stages). On a
+    pipeline mesh the parameters every stage holds (embedding, final norm, trailing layers)
+    have a share of their gradient on each stage: those shares are summed over pp too."""
     def reduce(grad, spec):
-        return _blockwise(lambda g: _reduce_one(g.astype(sync.reduce_dtype), _fsdp_axis(spec)),
-                          _without_fsdp(spec))(grad).astype(jnp.float32)
+        def both(g):
+            g = _reduce_one(g.astype(sync.reduce_dtype), _fsdp_axis(spec))
+            return jax.lax.psum(g, PP) if sync.pp > 1 and PP not in tuple(spec) else g
+
+        return _blockwise(both, _without_fsdp(spec))(grad).astype(jnp.float32)
 
     with jax.named_scope(SYNC_SCOPE):
         return jax.tree.map(reduce, grads, sync.grad_specs)
@@ -297,12 +332,11 @@ def accumulated_gradients(sync: GradientSync, loss_fn: Callable, params: Any, ba
     "tokens" entry is what the caller divides by (the train step's token count).
     """
     hows = _hows(sync, params)
-    K, rounds = sync.sync_every, sync.reductions_per_step
+    K, rounds, per_layer = sync.sync_every, sync.reductions_per_step, sync.reduces_per_layer
 
     def per_device(local_params, batch):
         # Stand-ins for the gradients (see `Fetch`), from the global shapes: blocks are local.
-        targets = _gradient_zeros(sync, params, K == 1, jnp.float32 if K == 1 else
-                                  sync.compute_dtype)
+        targets = _gradient_zeros(sync, params, per_layer, _local_dtype(sync, per_layer))
 
         def micro_grads(micro_batch):
             def loss_of(targets):
@@ -316,8 +350,8 @@ def accumulated_gradients(sync: GradientSync, loss_fn: Callable, params: Any, ba
         sums_zero = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32),
                                  jax.eval_shape(micro_grads, _first(batch))[2])
 
-        def one_round(round_batch):  # K micro-batches, then (K > 1) one reduction
-            if K == 1:
+        def one_round(round_batch):  # K micro-batches, then one reduction unless per layer
+            if per_layer:
                 return micro_grads(_first(round_batch))
             local, loss, sums = _scan_sum(
                 micro_grads, (_gradient_zeros(sync, params, False, jnp.float32),
@@ -331,12 +365,14 @@ def accumulated_gradients(sync: GradientSync, loss_fn: Callable, params: Any, ba
             init = (_gradient_zeros(sync, params, True, jnp.float32),
                     jnp.zeros((), jnp.float32), sums_zero)
             grads, loss, sums = _scan_sum(one_round, init, split)
-        return grads, jax.lax.psum(loss, FSDP), jax.lax.psum(sums, FSDP)
+        # Each pipeline stage computes the loss of its share of the micro-batches.
+        axes = tuple(sorted(sync.manual_axes))
+        return grads, jax.lax.psum(loss, axes), jax.lax.psum(sums, axes)
 
-    spec_of = lambda specs: jax.tree.map(_fsdp_only, specs, is_leaf=lambda x: isinstance(x, P))  # noqa: E731
-    batch_spec = P(None, FSDP)
+    spec_of = lambda specs: jax.tree.map(_manual_only, specs, is_leaf=lambda x: isinstance(x, P))  # noqa: E731
+    batch_spec = P(None, FSDP)  # every stage of a pipeline sees its fsdp shard's rows
     return jax.shard_map(
-        per_device, mesh=sync.mesh, axis_names={FSDP}, check_vma=False,
+        per_device, mesh=sync.mesh, axis_names=sync.manual_axes, check_vma=False,
         in_specs=(spec_of(sync.param_specs), jax.tree.map(lambda _: batch_spec, batch)),
         out_specs=(spec_of(sync.grad_specs), P(), P()),
     )(params, batch)
@@ -344,10 +380,11 @@ def accumulated_gradients(sync: GradientSync, loss_fn: Callable, params: Any, ba
 
 def local_gradient_bytes(sync: GradientSync, params: Any, dtype: jnp.dtype) -> int:
     """Per-device bytes of one whole unreduced gradient (this device's tp share of every
-    parameter): what `sync_every` > 1 keeps, and what one such reduction carries per device."""
+    parameter, of its pipeline stage's layers): what `sync_every` > 1 and pipeline stages
+    keep, and what one such reduction carries per device."""
     leaves, treedef = jax.tree.flatten(params)
     total = 0
     for p, spec in zip(leaves, treedef.flatten_up_to(sync.grad_specs)):
-        local = NamedSharding(sync.mesh, _without_fsdp(spec))
+        local = NamedSharding(sync.mesh, P(*(None if axis == FSDP else axis for axis in spec)))
         total += math.prod(local.shard_shape(p.shape)) * jnp.dtype(dtype).itemsize
     return total

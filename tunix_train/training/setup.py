@@ -30,6 +30,7 @@ from tunix_train.data import pipeline
 from tunix_train.data.pipeline import BatchShape
 from tunix_train.models.head import VocabChunks
 from tunix_train.parallel import fsdp, sharding
+from tunix_train.parallel import pipeline as stages
 from tunix_train.parallel import mesh as mesh_lib
 from tunix_train.parallel.layout import ParamLayout
 from tunix_train.training import optim
@@ -56,6 +57,7 @@ class Setup:
         """`devices` defaults to all of them; tests pass a subset to compare meshes."""
         devices = devices if devices is not None else jax.devices()
         shape = mesh_lib.parse(cfg.model.mesh_shape, len(devices))
+        stages.check_layers(cfg.model, shape.pp)
         mesh = mesh_lib.create_mesh(shape, devices, processes_per_node)
         t = cfg.training
         params = ParamLayout.create(cfg.model, mesh, t.zero_stage, t.remat, t.mixed_precision)
@@ -191,8 +193,11 @@ def step_options(cfg: Config, params: ParamLayout, batch: BatchShape) -> StepOpt
     shards = sharding.vocab_shards(params.rules.params, params.mesh)
     chunks = VocabChunks(sharding.vocab_chunks(cfg.model.vocab_size, shards,
                                                cfg.training.loss_vocab_chunk), shards)
+    pp = sync.pp
+    plan = None if pp == 1 else stages.schedule(pp, batch.rows // sync.fsdp,
+                                                cfg.training.pipeline_microbatches)
     return StepOptions(compute_dtype=dtype, sync=sync, mesh=params.mesh,
-                       rules=params.rules.params, vocab_chunks=chunks)
+                       rules=params.rules.params, vocab_chunks=chunks, pipeline=plan)
 
 
 def batch_shape(training: TrainingConfig, seq_len: int, fsdp_size: int) -> BatchShape:

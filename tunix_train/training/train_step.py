@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from tunix_train.models.head import VocabChunks
-from tunix_train.parallel import fsdp
+from tunix_train.parallel import fsdp, pipeline
 from tunix_train.parallel.sharding import LogicalRules, activate, per_shard_rules
 from tunix_train.training.optim import skipped_updates
 from tunix_train.training.state import StateLayout, TrainState
@@ -35,6 +35,7 @@ class StepOptions:
     mesh: Mesh
     rules: LogicalRules  # logical → mesh axes for the model's activation constraints
     vocab_chunks: VocabChunks  # how the fused output head + loss cuts the vocabulary
+    pipeline: pipeline.Schedule | None = None  # with a pp axis: the GPipe schedule
 
 
 def _cast(tree: Any, dtype: jnp.dtype) -> Any:
@@ -64,8 +65,13 @@ def train_step_fn(layout: StateLayout, optimizer: optax.GradientTransformation,
     """The un-jitted step: state, batch → new state, metrics. With another `loss_fn` (GRPO's),
     its sums other than "tokens" are added to the metrics as sums (not yet divided)."""
 
+    micro_loss_fn = loss_fn
+    if options.pipeline is not None:  # config validation refuses other losses with pp
+        micro_loss_fn = partial(pipeline.loss_sums, plan=options.pipeline)
+
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        micro_loss = partial(loss_fn, layout.params.graphdef, vocab_chunks=options.vocab_chunks)
+        micro_loss = partial(micro_loss_fn, layout.params.graphdef,
+                             vocab_chunks=options.vocab_chunks)
         # Inside the shard_map over fsdp each device sees its own rows: no fsdp constraint.
         # Parameters go in as fp32 shards: each is cast where it is gathered (parallel/fsdp.py).
         with activate(options.mesh, per_shard_rules(options.rules)):  # in effect while jit traces

@@ -1,0 +1,155 @@
+"""Pipeline parallelism: GPipe in one SPMD program, inside the train step's shard_map.
+
+On a mesh with a `pp` axis the block stacks (models/gemma3.py: the [locals..., global] blocks)
+are sharded over `pp` along their layer axis, so stage s holds blocks s·n/pp … (s+1)·n/pp - 1
+and every device of a stage runs the same program on its own slice. Each micro-batch of a
+device's rows is cut into M pipeline micro-batches (`training.pipeline_microbatches`), and a
+scan of M + pp - 1 iterations moves them through the stages:
+
+    iteration t, stage s:  takes micro-batch t - s (stage 0 from the embedding, the others
+                           from their predecessor), runs its blocks, and passes the result on
+                           with one `ppermute` over pp (a collective-permute in the program)
+
+Autodiff of that scan is the GPipe backward: the transposed permutes carry the cotangents back
+stage by stage. The first and last pp - 1 iterations leave some stage idle: the bubble,
+(pp - 1) / (M + pp - 1) of the step.
+
+Where the rest lives, and why. The embedding is a row lookup: every stage does it for all M
+micro-batches (no FLOPs worth splitting, and no activations to move), only stage 0's result
+is used. The output head and the loss are the largest single cost after the blocks (gemma3_1b:
+~30% of the FLOPs), and so are the trailing locals: the last stage's outputs are spread over
+the stages (a reduce-scatter over pp) and each stage computes the trailing layers, the head and
+the loss of M / pp micro-batches. Everything outside the blocks is therefore held by every
+stage (sharded over fsdp/tp as usual), and its gradient is summed over pp (parallel/fsdp.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tunix_train.config import ConfigError, ModelConfig
+from tunix_train.models.gemma3 import LayerLayout
+from tunix_train.models.head import VocabChunks
+from tunix_train.parallel.mesh import PP
+
+MAX_BUBBLE = 0.25  # the default number of pipeline micro-batches keeps the bubble at most this
+
+
+@dataclass(frozen=True)
+class Schedule:
+    stages: int  # pp
+    microbatches: int  # M: pipeline micro-batches per micro-batch
+
+    @property
+    def iterations(self) -> int:
+        return self.microbatches + self.stages - 1
+
+    @property
+    def bubble(self) -> float:
+        """The fraction of a step each stage idles: (pp - 1) / (M + pp - 1)."""
+        return (self.stages - 1) / self.iterations
+
+    @property
+    def per_stage(self) -> int:
+        """Micro-batches whose loss each stage computes (the last stage's outputs, spread)."""
+        return math.ceil(self.microbatches / self.stages)
+
+
+def check_layers(model: ModelConfig, pp: int) -> None:
+    """Pipeline stages are cut from whole [locals..., global] blocks, evenly."""
+    if pp == 1:
+        return
+    layout = LayerLayout.of(model)
+    if layout.num_blocks % pp:
+        fits = [d for d in range(2, layout.num_blocks + 1) if layout.num_blocks % d == 0]
+        raise ConfigError(
+            f"model.num_layers={model.num_layers} has {layout.num_blocks} blocks of "
+            f"model.global_every={model.global_every} layers (and {layout.trailing_locals} "
+            f"trailing local layers), which do not split into pp={pp} equal pipeline stages; "
+            f"use a pp that divides {layout.num_blocks} ({fits or 'none'}) or no pp axis.")
+
+
+def schedule(pp: int, rows: int, microbatches: int | None) -> Schedule:
+    """`training.pipeline_microbatches`, checked against a device's rows per micro-batch; None:
+    the fewest that divide the rows and keep the bubble at most MAX_BUBBLE, else all rows."""
+    if microbatches is None:
+        fitting = [m for m in range(1, rows + 1) if rows % m == 0 and
+                   Schedule(pp, m).bubble <= MAX_BUBBLE]
+        return Schedule(pp, fitting[0] if fitting else rows)
+    if rows % microbatches:
+        raise ConfigError(
+            f"training.pipeline_microbatches={microbatches} must divide the {rows} rows each "
+            f"fsdp shard takes per micro-step (training.micro_batch_size); choose a divisor "
+            f"of {rows}.")
+    return Schedule(pp, microbatches)
+
+
+def gpipe(stage_fn: Callable[[jax.Array, jax.Array], jax.Array], inputs_MxBxLxD: jax.Array,
+          plan: Schedule) -> jax.Array:
+    """Runs `stage_fn(x, micro-batch index)` (this stage's layers) over the M micro-batches in
+    GPipe order, inside a shard_map manual over pp. Returns this stage's share of the last
+    stage's outputs: micro-batches [s·k, (s+1)·k) with k = `plan.per_stage`, zero past M."""
+    stage = jax.lax.axis_index(PP)
+    last, M = plan.stages - 1, plan.microbatches
+    forward = [(s, s + 1) for s in range(last)]
+
+    def iteration(carry, t):
+        incoming, outputs = carry
+        x = jnp.where(stage == 0, inputs_MxBxLxD[jnp.minimum(t, M - 1)], incoming)
+        y = stage_fn(x, jnp.clip(t - stage, 0, M - 1))
+        done = jnp.clip(t - last, 0, M - 1)  # the micro-batch the last stage finishes now
+        keep = (stage == last) & (t >= last)
+        outputs = outputs.at[done].set(jnp.where(keep, y, outputs[done]))
+        return (jax.lax.ppermute(y, PP, forward), outputs), None
+
+    slots = plan.per_stage * plan.stages
+    outputs = jnp.zeros((slots, *inputs_MxBxLxD.shape[1:]), inputs_MxBxLxD.dtype)
+    (_, outputs), _ = jax.lax.scan(iteration, (jnp.zeros_like(inputs_MxBxLxD[0]), outputs),
+                                   jnp.arange(plan.iterations))
+    # Only the last stage's buffer holds outputs: summing with the others' zeros scatters them.
+    outputs = jnp.where(stage == last, outputs, jnp.zeros_like(outputs))
+    return jax.lax.psum_scatter(outputs, PP, scatter_dimension=0, tiled=True)
+
+
+def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: dict, plan: Schedule,
+              vocab_chunks: VocabChunks = VocabChunks()) -> tuple[jax.Array, dict]:
+    """training/train_step.py's `loss_sums` on one pipeline stage: this stage's share of the
+    loss sum and token count over one [B, L] micro-batch (summed over pp by the caller)."""
+    model = nnx.merge(graphdef, params)
+    rows, length = batch["inputs"].shape
+    M = plan.microbatches
+    split = lambda x: x.reshape(M, rows // M, length)  # noqa: E731
+    positions = batch.get("positions")
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(length), (rows, length))
+    positions_M, segments_M = split(positions), batch.get("segment_ids")
+    segments_M = None if segments_M is None else split(segments_M)
+
+    def stage_fn(x, micro):
+        return model.blocks(x, positions_M[micro],
+                            None if segments_M is None else segments_M[micro])
+
+    embedded = model.embed(batch["inputs"])
+    outputs = gpipe(stage_fn, embedded.reshape(M, rows // M, length, -1), plan)
+
+    # This stage's micro-batches of everything the tail and the loss read, zero-padded past M.
+    def mine(x):
+        x = split(x)
+        x = jnp.concatenate([x, jnp.zeros((plan.per_stage * plan.stages - M, *x.shape[1:]),
+                                          x.dtype)])
+        start = jax.lax.axis_index(PP) * plan.per_stage
+        x = jax.lax.dynamic_slice_in_dim(x, start, plan.per_stage)
+        return x.reshape(-1, length)
+
+    hidden = outputs.reshape(-1, length, outputs.shape[-1])
+    segments = None if segments_M is None else mine(batch["segment_ids"])
+    hidden = model.tail(hidden, mine(positions), segments)
+    token_loss = model.embedder.token_losses(hidden, mine(batch["targets"]), vocab_chunks)
+    weights = mine(batch["weights"])
+    return jnp.sum(token_loss * weights), {"tokens": jnp.sum(weights)}
