@@ -67,6 +67,13 @@ class StepCosts:
         kind = "reduce-scatter" if sync.scatters else "all-reduce"
         dtype = jnp.dtype(sync.reduce_dtype).name
         measured = self.comm.gradient_reductions_per_step
+        if sync.sync_every == 1 and sync.pp > 1:
+            return (f"gradient sync: each pipeline stage sums its gradients over the pipeline's "
+                    f"iterations, then one {kind} over fsdp per micro-step, in {dtype} (and a "
+                    f"sum over pp of what every stage holds) = {sync.reductions_per_step} full "
+                    f"reduction(s) per step (measured: {measured:g}); the local gradient "
+                    f"buffer: {self.per_device_bytes['grad_buffer'] / UNITS['MB']:,.1f} MB per "
+                    f"device")
         if sync.sync_every == 1:
             return (f"gradient sync: each layer's gradient {kind} over fsdp inside the backward "
                     f"pass, in {dtype}, every micro-step = {sync.reductions_per_step} full "

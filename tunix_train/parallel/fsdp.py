@@ -223,17 +223,32 @@ def _take_bwd(how: _How, vocab: int, ids_T: jax.Array, grad_TxD: jax.Array):
 _take.defvjp(_take_fwd, _take_bwd)
 
 
-def _reduce_one(grad: jax.Array, scatter_axis: int | None) -> jax.Array:
-    dtype = jnp.dtype(grad.dtype)
-    if jax.default_backend() == "cpu" and dtype != jnp.float32:
-        # CPU backends reduce 16-bit floats in fp32 anyway (XLA's AllReducePromotion), and that
-        # pass aborts on the reduction Shardy emits inside nested loops (XLA 0.10): widen here,
-        # the same program, named so that the communication report counts the narrow dtype.
+def _reduce_one(grad: jax.Array, scatter_axis: int | None, over_pp: bool = False) -> jax.Array:
+    """The sum over fsdp (scattered along `scatter_axis`, if any), and over pp too if asked."""
+    def reduce(grad):
+        if scatter_axis is None:
+            grad = jax.lax.psum(grad, FSDP)
+        else:
+            grad = jax.lax.psum_scatter(grad, FSDP, scatter_dimension=scatter_axis, tiled=True)
+        return jax.lax.psum(grad, PP) if over_pp else grad
+
+    return cpu_safe_reduction(reduce)(grad)
+
+
+def cpu_safe_reduction(reduce: Callable[[jax.Array], jax.Array]) -> Callable:
+    """`reduce` (a sum over mesh axes), carried in fp32 on a CPU backend.
+
+    CPU backends reduce 16-bit floats in fp32 anyway (XLA's AllReducePromotion), and that pass
+    aborts on the reductions Shardy emits inside nested loops (XLA 0.10): widening here gives
+    the same program, named so that the communication report counts the narrow dtype."""
+    def widened(x: jax.Array) -> jax.Array:
+        dtype = jnp.dtype(x.dtype)
+        if jax.default_backend() != "cpu" or dtype == jnp.float32:
+            return reduce(x)
         with jax.named_scope(WIDENED + dtype.name):
-            return _reduce_one(grad.astype(jnp.float32), scatter_axis).astype(dtype)
-    if scatter_axis is None:
-        return jax.lax.psum(grad, FSDP)
-    return jax.lax.psum_scatter(grad, FSDP, scatter_dimension=scatter_axis, tiled=True)
+            return reduce(x.astype(jnp.float32)).astype(dtype)
+
+    return widened
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,11 +327,10 @@ def _reduce_all(sync: GradientSync, grads: Any) -> Any:
     pipeline mesh the parameters every stage holds (embedding, final norm, trailing layers)
     have a share of their gradient on each stage: those shares are summed over pp too."""
     def reduce(grad, spec):
-        def both(g):
-            g = _reduce_one(g.astype(sync.reduce_dtype), _fsdp_axis(spec))
-            return jax.lax.psum(g, PP) if sync.pp > 1 and PP not in tuple(spec) else g
-
-        return _blockwise(both, _without_fsdp(spec))(grad).astype(jnp.float32)
+        over_pp = sync.pp > 1 and PP not in tuple(spec)
+        return _blockwise(lambda g: _reduce_one(g.astype(sync.reduce_dtype), _fsdp_axis(spec),
+                                                over_pp),
+                          _without_fsdp(spec))(grad).astype(jnp.float32)
 
     with jax.named_scope(SYNC_SCOPE):
         return jax.tree.map(reduce, grads, sync.grad_specs)

@@ -25,6 +25,7 @@ stage (sharded over fsdp/tp as usual), and its gradient is summed over pp (paral
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -36,8 +37,10 @@ from flax import nnx
 from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.models.gemma3 import LayerLayout
 from tunix_train.models.head import VocabChunks
+from tunix_train.parallel.fsdp import cpu_safe_reduction
 from tunix_train.parallel.mesh import PP
 
+log = logging.getLogger(__name__)
 MAX_BUBBLE = 0.25  # the default number of pipeline micro-batches keeps the bubble at most this
 
 
@@ -81,7 +84,13 @@ def schedule(pp: int, rows: int, microbatches: int | None) -> Schedule:
     if microbatches is None:
         fitting = [m for m in range(1, rows + 1) if rows % m == 0 and
                    Schedule(pp, m).bubble <= MAX_BUBBLE]
-        return Schedule(pp, fitting[0] if fitting else rows)
+        plan = Schedule(pp, fitting[0] if fitting else rows)
+        if not fitting:
+            log.warning("pipeline: %d row(s) per fsdp shard and micro-step allow at most %d "
+                        "micro-batches: the bubble is %.0f%% of each step; raise "
+                        "training.micro_batch_size to %d or more to bring it to %.0f%%.", rows,
+                        rows, 100 * plan.bubble, 3 * (pp - 1), 100 * MAX_BUBBLE)
+        return plan
     if rows % microbatches:
         raise ConfigError(
             f"training.pipeline_microbatches={microbatches} must divide the {rows} rows each "
@@ -114,7 +123,8 @@ def gpipe(stage_fn: Callable[[jax.Array, jax.Array], jax.Array], inputs_MxBxLxD:
                                    jnp.arange(plan.iterations))
     # Only the last stage's buffer holds outputs: summing with the others' zeros scatters them.
     outputs = jnp.where(stage == last, outputs, jnp.zeros_like(outputs))
-    return jax.lax.psum_scatter(outputs, PP, scatter_dimension=0, tiled=True)
+    return cpu_safe_reduction(
+        lambda x: jax.lax.psum_scatter(x, PP, scatter_dimension=0, tiled=True))(outputs)
 
 
 def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: dict, plan: Schedule,

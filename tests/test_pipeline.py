@@ -1,0 +1,126 @@
+"""Pipeline parallelism (parallel/pipeline.py) on 8 CPU devices, against the same run without pp:
+losses, parameters really split over the stages, the planner's figures, checkpoints across
+pp / no-pp meshes, and what a layer count that does not split gives."""
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import TINY, compiled_run, compose_config, mesh_arg
+from tunix_train import checkpoint
+from tunix_train import plan as plan_lib
+from tunix_train import config as config_lib
+from tunix_train.checkpoint import Checkpoints
+from tunix_train.config import CheckpointConfig, ConfigError
+from tunix_train.models.gemma3 import LayerLayout
+from tunix_train.parallel import pipeline
+from tunix_train.training.setup import Setup
+
+STEPS = 3
+# 4 blocks of [local, global] and one trailing local: stages of 2 or 1 blocks, and a layer that
+# runs outside the stages. 8 rows per micro-step, 2 micro-steps accumulated.
+MODEL = [*TINY, "model.num_layers=9", "model.global_every=2", "training.global_batch_size=16",
+         "training.gradient_accumulation_steps=2"]
+PP_MESHES = {"2x2x2": [[2, 2, 2], ["pp", "fsdp", "tp"]], "4x1x2": [[4, 1, 2], ["pp", "fsdp", "tp"]],
+             "2x4x1": [[2, 4, 1], ["pp", "fsdp", "tp"]]}
+
+
+def mesh_of(shape) -> str:
+    sizes, names = shape
+    return f"model.mesh_shape=[{sizes},[{','.join(f'{n!r}' for n in names)}]]".replace("'", '"')
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """name → (setup, costs, losses, final state); "none": the same run on fsdp 2 × tp 2 (the
+    2x2x2 mesh's fsdp × tp) over 4 devices."""
+    out = {"none": compiled_run(compose_config(*MODEL, mesh_arg(2, 2)), STEPS, jax.devices()[:4])}
+    for name, shape in PP_MESHES.items():
+        out[name] = compiled_run(compose_config(*MODEL, mesh_of(shape)), STEPS)
+    return out
+
+
+@pytest.mark.parametrize("name", list(PP_MESHES))
+def test_losses_equal_the_run_without_pp(runs, name):
+    reference = runs["none"][2]
+    assert reference[-1] < reference[0]
+    np.testing.assert_allclose(runs[name][2], reference, rtol=1e-5)
+
+
+def test_each_stage_holds_its_own_blocks_only(runs):
+    setup, _, _, state = runs["2x2x2"]
+    blocks = LayerLayout.of(setup.cfg.model).num_blocks
+    for stack in ("local_layers", "global_layers"):
+        for leaf in jax.tree.leaves(state["params"][stack]):
+            assert leaf.sharding.spec[0] == "pp"
+            assert {s.data.shape[0] for s in leaf.addressable_shards} == {blocks // 2}
+            stages = {s.device: s.index[0].start for s in leaf.addressable_shards}
+            assert sorted(set(stages.values())) == [0, blocks // 2]
+    for leaf in jax.tree.leaves(state["params"]["trailing_layers"]):  # every stage runs them
+        assert "pp" not in tuple(leaf.sharding.spec)
+
+
+def test_the_planner_shows_the_stage_memory_bubble_and_permutes(runs):
+    """Per-device parameter bytes: the block stacks halve at pp=2 for the same fsdp × tp; the
+    embedding, final norm and trailing layers stay on every stage."""
+    with_pp, without = runs["2x2x2"], runs["none"]
+    params = {name: run[1].per_device_bytes["params"] for name, run in runs.items()}
+    abstract, shardings = without[0].params.abstract, without[0].params.shardings
+    stacks = sum(np.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
+                 for key in ("local_layers", "global_layers")
+                 for a, s in zip(jax.tree.leaves(abstract[key]), jax.tree.leaves(shardings[key])))
+    assert params["2x2x2"] == params["none"] - stacks / 2
+    assert params["2x2x2"] < 0.6 * params["none"]
+    plan = with_pp[0].options.pipeline
+    assert (plan.stages, plan.microbatches) == (2, 4)  # 4 rows per fsdp shard: M=4, bubble 20%
+    assert plan.bubble == pytest.approx(1 / 5)
+    permutes = [c for c in with_pp[1].comm.collectives if c.kind == "collective-permute"]
+    assert {c.axis for c in permutes} == {"pp"}
+    # One permute per pipeline iteration, forward and (transposed) backward, per micro-step.
+    assert sum(c.count for c in permutes) == 2 * plan.iterations * 2
+    assert "bubble (pp-1)/(M+pp-1) = 20.0%" in "\n".join(
+        plan_lib._pipeline_line(plan_lib._pipeline(with_pp[0])))
+
+
+@pytest.mark.parametrize("source,target", [("2x2x2", "none"), ("none", "4x1x2")])
+def test_a_checkpoint_restores_across_pp_and_no_pp(runs, tmp_path, source, target):
+    setup, _, _, state = runs[source]
+    checkpoints = Checkpoints(tmp_path, CheckpointConfig(async_save=False))
+    checkpoints.save(STEPS, state, {}, config_lib.to_dict(setup.cfg))
+    checkpoints.close()
+    other = runs[target][0]
+    restored = checkpoint.restore(tmp_path, other.state.with_shardings(),
+                                  config_lib.to_dict(other.cfg)).state
+    for got, want, sharding in zip(jax.tree.leaves(restored), jax.tree.leaves(state),
+                                   jax.tree.leaves(other.state.shardings)):
+        assert got.sharding == sharding
+        np.testing.assert_array_equal(jax.device_get(got), jax.device_get(want))
+
+
+def test_a_layer_count_that_does_not_split_names_the_pp_sizes_that_do():
+    four_b = compose_config("model=gemma3_4b").model  # 34 layers: 5 blocks of 6, 4 trailing
+    with pytest.raises(ConfigError, match=r"model.num_layers=34 has 5 blocks of "
+                                          r"model.global_every=6 layers .* pp=2 .* \(\[5\]\)"):
+        pipeline.check_layers(four_b, 2)
+    pipeline.check_layers(compose_config("model=gemma3_1b").model, 4)  # 4 blocks + 2 trailing
+    with pytest.raises(ConfigError, match="pp=2"):
+        Setup.create(compose_config(*TINY, mesh_of([[2, 4, 1], ["pp", "fsdp", "tp"]])))
+
+
+def test_pipeline_microbatches_default_keeps_the_bubble_at_a_quarter():
+    for pp, rows in ((2, 4), (2, 12), (4, 12), (4, 64), (8, 64)):
+        plan = pipeline.schedule(pp, rows, None)
+        assert rows % plan.microbatches == 0 and plan.bubble <= pipeline.MAX_BUBBLE
+        smaller = [m for m in range(1, plan.microbatches) if rows % m == 0]
+        assert all((pp - 1) / (m + pp - 1) > pipeline.MAX_BUBBLE for m in smaller)
+    assert pipeline.schedule(4, 2, None).microbatches == 2  # too few rows: all of them
+    assert pipeline.schedule(2, 8, 2).bubble == pytest.approx(1 / 3)
+    with pytest.raises(ConfigError, match="training.pipeline_microbatches=3 must divide the 8"):
+        pipeline.schedule(2, 8, 3)
+
+
+def test_grpo_with_pipeline_stages_is_refused_by_name():
+    cfg = compose_config("trainer=grpo", "data=prompts", "data.path=x.jsonl",
+                         mesh_of([[2, 4, 1], ["pp", "fsdp", "tp"]]))
+    with pytest.raises(ConfigError, match="pipeline stages, which trainer=grpo does not"):
+        config_lib.validate(cfg)
