@@ -59,6 +59,17 @@ def test_tp_spanning_processes_stays_inside_a_node_or_warns(caplog):
     assert "tp=4 across nodes of 2 devices" in caplog.text
 
 
+def test_pipeline_stages_span_processes_and_tp_stays_inside_one():
+    devices = [FakeDevice(i, i // 2, "gpu") for i in range(8)]  # 4 processes × 2 devices
+    shape = mesh_lib.parse([[2, 2, 2], ["pp", "fsdp", "tp"]], 8)
+    grid = mesh_lib._device_grid(shape, devices, per_node=2)  # [pp, fsdp, tp]
+    assert [{d.process_index for d in stage.flat} for stage in grid] == [{0, 1}, {2, 3}]
+    assert all(len({d.process_index for d in row}) == 1 for stage in grid for row in stage)
+    swapped = mesh_lib._device_grid(mesh_lib.parse([[2, 2, 2], ["fsdp", "tp", "pp"]], 8),
+                                    devices, per_node=2)
+    assert (swapped == grid.transpose(1, 2, 0)).all()
+
+
 def test_rendezvous_survives_a_silent_connection(monkeypatch):
     """A peer that connects and says nothing (a port scanner, a stuck launcher) must not block
     node 0's launcher: it is dropped after the greeting timeout and the real peer still joins."""

@@ -14,6 +14,18 @@ def test_minus_one_is_filled_from_the_device_count():
 def test_product_mismatch_names_the_arithmetic():
     with pytest.raises(ConfigError, match=r"needs 4 × 1 = 4 devices but 8 are available"):
         mesh_lib.parse([[4, 1], ["fsdp", "tp"]], 8)
+    with pytest.raises(ConfigError, match=r"needs 2 × 2 × 1 = 4 devices but 8 are available"):
+        mesh_lib.parse([[2, 2, 1], ["pp", "fsdp", "tp"]], 8)
+
+
+def test_a_pipeline_axis_is_optional_and_filled_like_the_others():
+    shape = mesh_lib.parse([[2, -1, 2], ["pp", "fsdp", "tp"]], 16)
+    assert (shape.pp, shape.fsdp, shape.tp) == (2, 4, 2)
+    assert mesh_lib.parse([[8, 1], ["fsdp", "tp"]], 8).pp == 1
+    mesh = mesh_lib.create_mesh(mesh_lib.parse([[2, 2, 2], ["pp", "fsdp", "tp"]], 8))
+    assert dict(mesh.shape) == {"pp": 2, "fsdp": 2, "tp": 2}
+    with pytest.raises(ConfigError, match=r"must be \['fsdp', 'tp'\] or \['pp', 'fsdp', 'tp'\]"):
+        mesh_lib.parse([[2, 4], ["pp", "fsdp"]], 8)
 
 
 @pytest.mark.parametrize("bad", [[[4], ["fsdp", "tp"]], [[4, 2], ["data", "tp"]], "4x2",

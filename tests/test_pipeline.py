@@ -8,7 +8,6 @@ import pytest
 
 from helpers import TINY, compiled_run, compose_config, mesh_arg
 from tunix_train import checkpoint
-from tunix_train import plan as plan_lib
 from tunix_train import config as config_lib
 from tunix_train.checkpoint import Checkpoints
 from tunix_train.config import CheckpointConfig, ConfigError
@@ -78,8 +77,9 @@ def test_the_planner_shows_the_stage_memory_bubble_and_permutes(runs):
     assert {c.axis for c in permutes} == {"pp"}
     # One permute per pipeline iteration, forward and (transposed) backward, per micro-step.
     assert sum(c.count for c in permutes) == 2 * plan.iterations * 2
-    assert "bubble (pp-1)/(M+pp-1) = 20.0%" in "\n".join(
-        plan_lib._pipeline_line(plan_lib._pipeline(with_pp[0])))
+    record = pipeline.describe(plan, with_pp[0].cfg.model, 4)
+    assert (record["layers_per_stage"], record["layers_outside_stages"]) == (4, 1)
+    assert "bubble (pp-1)/(M+pp-1) = 20.0%" in pipeline.line(record)
 
 
 @pytest.mark.parametrize("source,target", [("2x2x2", "none"), ("none", "4x1x2")])

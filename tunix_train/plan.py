@@ -100,6 +100,8 @@ def _record(setup, costs, compile_s: float) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
+    from tunix_train.parallel import pipeline as stages
+
     cfg, per_device = setup.cfg, costs.per_device_bytes
     return {
         "model": cfg.model.name,
@@ -116,38 +118,17 @@ def _record(setup, costs, compile_s: float) -> dict[str, Any]:
         "flops_per_step": costs.flops_per_step,
         "collectives": [c.__dict__ for c in costs.comm.collectives],
         "gradient_reductions_per_step": costs.comm.gradient_reductions_per_step,
-        "pipeline": _pipeline(setup),
+        "pipeline": stages.describe(setup.options.pipeline, cfg.model,
+                                    setup.batch.rows // setup.options.sync.fsdp),
         "device_memory_gb": cfg.plan.device_memory_gb,
         "fits": per_device["total"] <= cfg.plan.device_memory_gb * GB,
         "compile_seconds": round(compile_s, 1),
     }
 
 
-def _pipeline(setup) -> dict[str, Any] | None:
-    plan = setup.options.pipeline
-    if plan is None:
-        return None
-    from tunix_train.models.gemma3 import LayerLayout
-
-    layout = LayerLayout.of(setup.cfg.model)
-    return {"stages": plan.stages, "microbatches": plan.microbatches,
-            "rows_per_microbatch": setup.batch.rows // setup.options.sync.fsdp
-            // plan.microbatches,
-            "layers_per_stage": layout.num_blocks * (layout.locals_per_block + 1) // plan.stages,
-            "layers_outside_stages": layout.trailing_locals, "bubble": plan.bubble}
-
-
-def _pipeline_line(p: dict[str, Any] | None) -> list[str]:
-    if p is None:
-        return []
-    return [f"pipeline: {p['stages']} stages of {p['layers_per_stage']} layers (+ "
-            f"{p['layers_outside_stages']} trailing layers, the head and the loss spread over "
-            f"the stages), {p['microbatches']} micro-batches of {p['rows_per_microbatch']} "
-            f"row(s) per micro-step: bubble (pp-1)/(M+pp-1) = {p['bubble']:.1%}; the memory "
-            f"below is one stage's device"]
-
-
 def _summary(record: dict[str, Any], costs) -> list[str]:
+    from tunix_train.parallel import pipeline as stages
+
     mesh = " × ".join(f"{k}={v}" for k, v in record["mesh"].items())
     total, limit = record["per_device_bytes"]["total"] / GB, record["device_memory_gb"]
     verdict = (f"fits: {total:.2f} GB of {limit:g} GB per device" if record["fits"] else
@@ -158,7 +139,8 @@ def _summary(record: dict[str, Any], costs) -> list[str]:
         f"{record['zero_stage']}, compute {record['compute_dtype']}, "
         f"{record['tokens_per_step']:,} tokens per step (compiled in "
         f"{record['compile_seconds']} s)",
-        *_pipeline_line(record["pipeline"]), *costs.memory_lines("GB"), costs.sync_line(),
+        *([stages.line(record["pipeline"])] if record["pipeline"] else []),
+        *costs.memory_lines("GB"), costs.sync_line(),
         f"FLOPs per step (all devices, as compiled): {record['flops_per_step']:.3e}",
         "collectives per step, per device:", *costs.comm.table().splitlines(),
         f"verdict: {verdict}",

@@ -99,6 +99,26 @@ def schedule(pp: int, rows: int, microbatches: int | None) -> Schedule:
     return Schedule(pp, microbatches)
 
 
+def describe(plan: Schedule | None, model: ModelConfig, rows: int) -> dict[str, Any] | None:
+    """The schedule as the planner records it (`rows`: per fsdp shard and micro-step)."""
+    if plan is None:
+        return None
+    layout = LayerLayout.of(model)
+    return {"stages": plan.stages, "microbatches": plan.microbatches,
+            "rows_per_microbatch": rows // plan.microbatches,
+            "layers_per_stage": layout.num_blocks * (layout.locals_per_block + 1) // plan.stages,
+            "layers_outside_stages": layout.trailing_locals, "bubble": plan.bubble}
+
+
+def line(record: dict[str, Any]) -> str:
+    """One line for the start-up log and the planner, from `describe`'s record."""
+    return (f"pipeline: {record['stages']} stages of {record['layers_per_stage']} layers (+ "
+            f"{record['layers_outside_stages']} trailing layer(s), the head and the loss spread "
+            f"over the stages), {record['microbatches']} micro-batches of "
+            f"{record['rows_per_microbatch']} row(s) per micro-step: bubble (pp-1)/(M+pp-1) = "
+            f"{record['bubble']:.1%}; memory figures are one stage's device")
+
+
 def gpipe(stage_fn: Callable[[jax.Array, jax.Array], jax.Array], inputs_MxBxLxD: jax.Array,
           plan: Schedule) -> jax.Array:
     """Runs `stage_fn(x, micro-batch index)` (this stage's layers) over the M micro-batches in

@@ -15,6 +15,7 @@ from tunix_train.analysis import flops, profiling
 from tunix_train.checkpoint import Checkpoints
 from tunix_train.config import Config
 from tunix_train.parallel import distributed
+from tunix_train.parallel import pipeline as stages
 from tunix_train.training import state as state_lib
 from tunix_train.training.loop import Loop, StepHooks
 from tunix_train.training.metrics import (MetricsWriter, Throughput, report_costs,
@@ -103,6 +104,9 @@ def log_startup(setup: Setup, state, writer: MetricsWriter) -> None:
         f"precision: compute {jnp.dtype(setup.options.compute_dtype).name}, "
         f"master weights and optimizer state float32; zero_stage {cfg.training.zero_stage}",
     ]
+    pipeline = stages.describe(setup.options.pipeline, cfg.model, b.rows // fsdp)
+    if pipeline:
+        lines.append(stages.line(pipeline))
     for line in lines:
         log.info(line)
     log.info("parameters: %s (%.1f MB fp32); per device %.1f MB", f"{count:,}", total / 1e6,
