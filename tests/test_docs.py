@@ -47,8 +47,9 @@ RUNNABLE = shown_commands(REPO / "docs" / "distributed_training.md")
 @pytest.mark.parametrize("command", RUNNABLE, ids=[f"mesh{i}" for i in range(len(RUNNABLE))])
 def test_parallelism_guide_commands_train(tmp_path, command):
     env, overrides = split_command(command)
-    # The guide's commands, shortened: a tiny model and two steps.
-    result = run_cli([*overrides, *TINY, "training.steps=2", "training.micro_batch_size=2",
+    # The guide's commands, shortened: a tiny model (the command's own model keys win) and
+    # two steps.
+    result = run_cli([*TINY, *overrides, "training.steps=2", "training.micro_batch_size=2",
                       f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, env_extra=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert (tmp_path / "run" / "metrics.jsonl").read_text().strip()
@@ -56,7 +57,8 @@ def test_parallelism_guide_commands_train(tmp_path, command):
 
 def test_docs_show_the_parallelism_examples():
     meshes = {tuple(split_command(c)[1][0:1]) for c in RUNNABLE}
-    assert {("model.mesh_shape=[[1,1],[\"fsdp\",\"tp\"]]",), ("model.mesh_shape=[[2,2],[\"fsdp\",\"tp\"]]",)} <= meshes
+    assert {("model.mesh_shape=[[1,1],[\"fsdp\",\"tp\"]]",), ("model.mesh_shape=[[2,2],[\"fsdp\",\"tp\"]]",),
+            ("model.mesh_shape=[[2,2,2],[\"pp\",\"fsdp\",\"tp\"]]",)} <= meshes
 
 
 @pytest.mark.slow

@@ -128,19 +128,18 @@ def gpipe(stage_fn: Callable[[jax.Array, jax.Array], jax.Array], inputs_MxBxLxD:
     last, M = plan.stages - 1, plan.microbatches
     forward = [(s, s + 1) for s in range(last)]
 
-    def iteration(carry, t):
-        incoming, outputs = carry
+    def iteration(incoming, t):
         x = jnp.where(stage == 0, inputs_MxBxLxD[jnp.minimum(t, M - 1)], incoming)
         y = stage_fn(x, jnp.clip(t - stage, 0, M - 1))
-        done = jnp.clip(t - last, 0, M - 1)  # the micro-batch the last stage finishes now
-        keep = (stage == last) & (t >= last)
-        outputs = outputs.at[done].set(jnp.where(keep, y, outputs[done]))
-        return (jax.lax.ppermute(y, PP, forward), outputs), None
+        return jax.lax.ppermute(y, PP, forward), y
 
+    _, ys = jax.lax.scan(iteration, jnp.zeros_like(inputs_MxBxLxD[0]),
+                         jnp.arange(plan.iterations))
+    # The last stage finishes micro-batch t - (pp - 1) at iteration t.
+    outputs = ys[last:]
     slots = plan.per_stage * plan.stages
-    outputs = jnp.zeros((slots, *inputs_MxBxLxD.shape[1:]), inputs_MxBxLxD.dtype)
-    (_, outputs), _ = jax.lax.scan(iteration, (jnp.zeros_like(inputs_MxBxLxD[0]), outputs),
-                                   jnp.arange(plan.iterations))
+    outputs = jnp.concatenate([outputs, jnp.zeros((slots - M, *outputs.shape[1:]),
+                                                   outputs.dtype)])
     # Only the last stage's buffer holds outputs: summing with the others' zeros scatters them.
     outputs = jnp.where(stage == last, outputs, jnp.zeros_like(outputs))
     return cpu_safe_reduction(
