@@ -120,10 +120,13 @@ def line(record: dict[str, Any]) -> str:
 
 
 def gpipe(stage_fn: Callable[[jax.Array, jax.Array], jax.Array], inputs_MxBxLxD: jax.Array,
-          plan: Schedule) -> jax.Array:
+          plan: Schedule, unroll: bool = False) -> jax.Array:
     """Runs `stage_fn(x, micro-batch index)` (this stage's layers) over the M micro-batches in
     GPipe order, inside a shard_map manual over pp. Returns this stage's share of the last
-    stage's outputs: micro-batches [s·k, (s+1)·k) with k = `plan.per_stage`, zero past M."""
+    stage's outputs: micro-batches [s·k, (s+1)·k) with k = `plan.per_stage`, zero past M.
+    `unroll` (`model.unroll_layers`) unrolls the M + pp - 1 iterations: on a CPU the rolled
+    loop copies its carries every iteration, which costs as much as a third of a pipelined
+    step (bench/pipeline_bubble.py); compile time then grows with the iterations."""
     stage = jax.lax.axis_index(PP)
     last, M = plan.stages - 1, plan.microbatches
     forward = [(s, s + 1) for s in range(last)]
@@ -134,7 +137,7 @@ def gpipe(stage_fn: Callable[[jax.Array, jax.Array], jax.Array], inputs_MxBxLxD:
         return jax.lax.ppermute(y, PP, forward), y
 
     _, ys = jax.lax.scan(iteration, jnp.zeros_like(inputs_MxBxLxD[0]),
-                         jnp.arange(plan.iterations))
+                         jnp.arange(plan.iterations), unroll=unroll)
     # The last stage finishes micro-batch t - (pp - 1) at iteration t.
     outputs = ys[last:]
     slots = plan.per_stage * plan.stages
@@ -165,7 +168,8 @@ def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: dict, plan: Schedule,
                             None if segments_M is None else segments_M[micro])
 
     embedded = model.embed(batch["inputs"])
-    outputs = gpipe(stage_fn, embedded.reshape(M, rows // M, length, -1), plan)
+    outputs = gpipe(stage_fn, embedded.reshape(M, rows // M, length, -1), plan,
+                    model.cfg.unroll_layers)
 
     # This stage's micro-batches of everything the tail and the loss read, zero-padded past M.
     def mine(x):
