@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import TINY, compiled_run, compose_config, mesh_arg
+from helpers import TINY, compiled_run, compose_config, mesh_arg, train_losses
 from tunix_train import checkpoint
 from tunix_train import config as config_lib
 from tunix_train.checkpoint import Checkpoints
@@ -44,6 +44,18 @@ def test_losses_equal_the_run_without_pp(runs, name):
     reference = runs["none"][2]
     assert reference[-1] < reference[0]
     np.testing.assert_allclose(runs[name][2], reference, rtol=1e-5)
+
+
+@pytest.mark.parametrize("precision,rtol", [("fp32", 1e-5), ("bf16", 1e-2)])
+def test_zero_1_and_spaced_out_reductions_match_the_run_without_pp(precision, rtol):
+    """Other settings through the same pipeline: ZeRO-1 and one gradient reduction per two
+    accumulated micro-steps, in fp32 (exact) and with bf16 compute (to bf16's precision)."""
+    settings = [*MODEL, "training.zero_stage=1", f"training.mixed_precision={precision}",
+                "training.sync_gradients_every=2"]
+    without = train_losses(compose_config(*settings, mesh_arg(4, 1)), 5, jax.devices()[:4])[0]
+    with_pp = train_losses(compose_config(*settings, mesh_of(PP_MESHES["2x4x1"])), 5)[0]
+    assert np.isfinite(with_pp).all() and without[-1] < without[0]
+    np.testing.assert_allclose(with_pp, without, rtol=rtol)
 
 
 def test_each_stage_holds_its_own_blocks_only(runs):
