@@ -345,51 +345,63 @@ def accumulated_gradients(sync: GradientSync, loss_fn: Callable, params: Any, ba
     fsdp. `sums` is a dict of scalars that add up over micro-batches and devices; its
     "tokens" entry is what the caller divides by (the train step's token count).
     """
-    hows = _hows(sync, params)
-    K, rounds, per_layer = sync.sync_every, sync.reductions_per_step, sync.reduces_per_layer
-
-    def per_device(local_params, batch):
-        # Stand-ins for the gradients (see `Fetch`), from the global shapes: blocks are local.
-        targets = _gradient_zeros(sync, params, per_layer, _local_dtype(sync, per_layer))
-
-        def micro_grads(micro_batch):
-            def loss_of(targets):
-                tree = jax.tree.map(Fetch, local_params, targets, hows)
-                with model_params.hooked(FsdpHook()):
-                    return loss_fn(tree, micro_batch)
-
-            (loss, sums), grads = jax.value_and_grad(loss_of, has_aux=True)(targets)
-            return jax.tree.map(lambda g: g.astype(jnp.float32), grads), loss, sums
-
-        sums_zero = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32),
-                                 jax.eval_shape(micro_grads, _first(batch))[2])
-
-        def one_round(round_batch):  # K micro-batches, then one reduction unless per layer
-            if per_layer:
-                return micro_grads(_first(round_batch))
-            local, loss, sums = _scan_sum(
-                micro_grads, (_gradient_zeros(sync, params, False, jnp.float32),
-                              jnp.zeros((), jnp.float32), sums_zero), round_batch)
-            return _reduce_all(sync, local), loss, sums
-
-        split = jax.tree.map(lambda x: x.reshape(rounds, K, *x.shape[1:]), batch)
-        if rounds == 1:
-            grads, loss, sums = one_round(_first(split))
-        else:
-            init = (_gradient_zeros(sync, params, True, jnp.float32),
-                    jnp.zeros((), jnp.float32), sums_zero)
-            grads, loss, sums = _scan_sum(one_round, init, split)
-        # Each pipeline stage computes the loss of its share of the micro-batches.
-        axes = tuple(sorted(sync.manual_axes))
-        return grads, jax.lax.psum(loss, axes), jax.lax.psum(sums, axes)
-
     spec_of = lambda specs: jax.tree.map(_manual_only, specs, is_leaf=lambda x: isinstance(x, P))  # noqa: E731
     batch_spec = P(None, FSDP)  # every stage of a pipeline sees its fsdp shard's rows
     return jax.shard_map(
-        per_device, mesh=sync.mesh, axis_names=sync.manual_axes, check_vma=False,
+        functools.partial(_device_gradients, sync, loss_fn, params),
+        mesh=sync.mesh, axis_names=sync.manual_axes, check_vma=False,
         in_specs=(spec_of(sync.param_specs), jax.tree.map(lambda _: batch_spec, batch)),
         out_specs=(spec_of(sync.grad_specs), P(), P()),
     )(params, batch)
+
+
+def _device_gradients(sync: GradientSync, loss_fn: Callable, params: Any, local_params: Any,
+                      batch: dict):
+    """One device's part of `accumulated_gradients`: its blocks of the parameters, its rows."""
+    K, rounds, per_layer = sync.sync_every, sync.reductions_per_step, sync.reduces_per_layer
+    micro_grads = _micro_gradients(sync, loss_fn, params, local_params)
+    sums_zero = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32),
+                             jax.eval_shape(micro_grads, _first(batch))[2])
+
+    def one_round(round_batch):  # K micro-batches, then one reduction unless per layer
+        if per_layer:
+            return micro_grads(_first(round_batch))
+        local, loss, sums = _scan_sum(
+            micro_grads, (_gradient_zeros(sync, params, False, jnp.float32),
+                          jnp.zeros((), jnp.float32), sums_zero), round_batch)
+        return _reduce_all(sync, local), loss, sums
+
+    split = jax.tree.map(lambda x: x.reshape(rounds, K, *x.shape[1:]), batch)
+    if rounds == 1:
+        grads, loss, sums = one_round(_first(split))
+    else:
+        init = (_gradient_zeros(sync, params, True, jnp.float32),
+                jnp.zeros((), jnp.float32), sums_zero)
+        grads, loss, sums = _scan_sum(one_round, init, split)
+    # Each pipeline stage computes the loss of its share of the micro-batches.
+    axes = tuple(sorted(sync.manual_axes))
+    return grads, jax.lax.psum(loss, axes), jax.lax.psum(sums, axes)
+
+
+def _micro_gradients(sync: GradientSync, loss_fn: Callable, params: Any,
+                     local_params: Any) -> Callable:
+    """micro-batch → (fp32 gradients, loss sum, sums) on this device, reduced or local as
+    `sync` says: the loss differentiated with respect to stand-ins for the gradients."""
+    hows = _hows(sync, params)
+    per_layer = sync.reduces_per_layer
+    # Stand-ins for the gradients (see `Fetch`), from the global shapes: blocks are local.
+    targets = _gradient_zeros(sync, params, per_layer, _local_dtype(sync, per_layer))
+
+    def micro_grads(micro_batch):
+        def loss_of(targets):
+            tree = jax.tree.map(Fetch, local_params, targets, hows)
+            with model_params.hooked(FsdpHook()):
+                return loss_fn(tree, micro_batch)
+
+        (loss, sums), grads = jax.value_and_grad(loss_of, has_aux=True)(targets)
+        return jax.tree.map(lambda g: g.astype(jnp.float32), grads), loss, sums
+
+    return micro_grads
 
 
 def local_gradient_bytes(sync: GradientSync, params: Any, dtype: jnp.dtype) -> int:
