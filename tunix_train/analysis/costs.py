@@ -68,12 +68,12 @@ class StepCosts:
         dtype = jnp.dtype(sync.reduce_dtype).name
         measured = self.comm.gradient_reductions_per_step
         if sync.sync_every == 1 and sync.pp > 1:
-            return (f"gradient sync: each pipeline stage sums its gradients over the pipeline's "
-                    f"iterations, then one {kind} over fsdp per micro-step, in {dtype} (and a "
-                    f"sum over pp of what every stage holds) = {sync.reductions_per_step} full "
-                    f"reduction(s) per step (measured: {measured:g}); the local gradient "
-                    f"buffer: {self.per_device_bytes['grad_buffer'] / UNITS['MB']:,.1f} MB per "
-                    f"device")
+            done = {"reduce-scatter": "reduce-scattered", "all-reduce": "all-reduced"}[kind]
+            return (f"gradient sync: a pipeline stage's layers are {done} once per micro-step "
+                    f"after the pipeline's backward pass, the layers every stage holds layer by "
+                    f"layer (and summed over pp), over fsdp in {dtype} = "
+                    f"{sync.reductions_per_step} full reduction(s) per step (measured: "
+                    f"{measured:g})")
         if sync.sync_every == 1:
             return (f"gradient sync: each layer's gradient {kind} over fsdp inside the backward "
                     f"pass, in {dtype}, every micro-step = {sync.reductions_per_step} full "
@@ -136,11 +136,10 @@ def sharded_bytes(abstract: Any, shardings: Any, dtype: Any = None,
 
 
 def gradient_buffer_bytes(sync: fsdp.GradientSync, abstract_params: Any) -> int:
-    """With reductions spaced out over several micro-steps (sync_every > 1) or pipeline stages:
-    the whole local unreduced gradient and, over several micro-steps, its fp32 accumulator.
-    None otherwise: each layer's gradient is reduced where the backward pass produces it."""
+    """With reductions spaced out over several micro-steps (sync_every > 1): the whole local
+    unreduced gradient (compute dtype) and its fp32 accumulator. None otherwise: each layer's
+    gradient is reduced where the backward pass produces it."""
     if sync.reduces_per_layer:
         return 0
-    local = fsdp.local_gradient_bytes(sync, abstract_params, sync.local_grad_dtype)
-    return local + (fsdp.local_gradient_bytes(sync, abstract_params, jnp.float32)
-                    if sync.sync_every > 1 else 0)
+    return (fsdp.local_gradient_bytes(sync, abstract_params, sync.compute_dtype)
+            + fsdp.local_gradient_bytes(sync, abstract_params, jnp.float32))

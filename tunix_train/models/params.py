@@ -4,6 +4,7 @@ Model code reads parameters in two ways, both right before use:
 
     materialize(state)   a module's parameters (the scanned layers: one layer's slice, inside
                          the layer loop; the output head: one vocabulary chunk at a time)
+    materialize_stack(s) a stack of layers at once (a pipeline stage, parallel/pipeline.py)
     take(table, ids)     rows of an embedding table (the token lookup)
 
 Outside `hooked(...)` both are what they say. A trainer installs a `ParamHook` to fetch
@@ -30,6 +31,8 @@ MATERIALIZED = "materialized_parameter"
 class ParamHook(Protocol):
     def materialize(self, state: Any) -> Any: ...
 
+    def materialize_stack(self, state: Any) -> Any: ...
+
     def take(self, table: Any, ids: jax.Array) -> jax.Array: ...
 
 
@@ -41,6 +44,13 @@ def materialize(state: Any) -> Any:
     """A module's parameters ready for compute (the identity unless a hook is installed)."""
     hook = _hook.get()
     return state if hook is None else hook.materialize(state)
+
+
+def materialize_stack(state: Any) -> Any:
+    """A whole stack of layers' parameters ready for compute at once (a pipeline stage's,
+    used by many pipeline iterations); `materialize` then passes them through."""
+    hook = _hook.get()
+    return state if hook is None else hook.materialize_stack(state)
 
 
 def take(table: Any, ids: jax.Array) -> jax.Array:

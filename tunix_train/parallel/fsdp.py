@@ -24,6 +24,11 @@ whole layer gradient (on CPU), with the tied embedding's whole gradient in fp32:
 file's step needs 4.78 GB (5.31 GB with 4 accumulated micro-batches), and the kind, dtype and
 count of every gradient collective are its own on every backend.
 
+On a mesh with pipeline stages (`pp`, parallel/pipeline.py) the shard_map is manual over pp
+too: a stage's block stacks arrive as its own slices and are fetched whole once per
+micro-batch (`FsdpHook.materialize_stack`); what every stage holds (embedding, final norm,
+trailing layers) has its gradient summed over pp in the same reduction.
+
 `training.sync_gradients_every` = K > 1 trades memory for fewer reductions: `fetch` then leaves
 gradients local and unreduced, K micro-batches are summed into an fp32 buffer the size of this
 device's (tp) share of the whole model, and one reduction follows. K = 1 (the default) keeps
@@ -32,6 +37,7 @@ only the sharded fp32 accumulator (4Ψ/N bytes at ZeRO-2/3) across micro-batches
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -71,17 +77,10 @@ class GradientSync:
 
     @property
     def reduces_per_layer(self) -> bool:
-        """Whether each layer's gradient is reduced inside the backward pass. Not with
-        `sync_every` > 1, nor with pipeline stages: a stage runs its layers once per pipeline
-        iteration, so its gradients are summed locally and reduced once per micro-batch."""
-        return self.sync_every == 1 and self.pp == 1
-
-    @property
-    def local_grad_dtype(self) -> jnp.dtype:
-        """The dtype an unreduced micro-batch gradient is summed in on the device: fp32 across
-        a pipeline's iterations, else the compute dtype (then summed in fp32 across
-        micro-steps)."""
-        return jnp.dtype(jnp.float32 if self.pp > 1 else self.compute_dtype)
+        """Whether each layer's gradient is reduced inside the backward pass (not with
+        `sync_every` > 1). A pipeline stage's layers count as one: they are gathered once per
+        micro-batch and their gradients reduced once (parallel/pipeline.py)."""
+        return self.sync_every == 1
 
     @property
     def manual_axes(self) -> set[str]:
@@ -109,6 +108,7 @@ class _How:
     scatter_axis: int | None  # the reduced gradient's sharded axis; None = all-reduce
     tp_spec: P  # its layout over the other (automatic) mesh axes, e.g. tp: kept explicitly
     reduce: bool  # False: leave the gradient local and unreduced (sync_every > 1)
+    over_pp: bool  # held by every pipeline stage: its gradient is summed over pp as well
     compute_dtype: Any  # the shard is cast to it before the gather: bf16 gathers, no bf16 copy
     reduce_dtype: Any
     grad_dtype: Any
@@ -149,8 +149,8 @@ def _fetch_fwd(param, target, how):
 def _fetch_bwd(how: _How, _, grad: jax.Array):
     if how.reduce:
         with jax.named_scope(SYNC_SCOPE):
-            grad = _blockwise(lambda g: _reduce_one(g.astype(how.reduce_dtype), how.scatter_axis),
-                              how.tp_spec)(grad)
+            grad = _blockwise(lambda g: _reduce_one(g.astype(how.reduce_dtype), how.scatter_axis,
+                                                    how.over_pp), how.tp_spec)(grad)
     return None, grad.astype(how.grad_dtype)
 
 
@@ -175,7 +175,20 @@ class FsdpHook:
     """models/params.py's hook inside the shard_map: `Fetch` leaves → parameters for compute."""
 
     def materialize(self, state: Any) -> Any:
-        return jax.tree.map(lambda f: _fetch(f.param, f.target, f.how), state, is_leaf=_is_fetch)
+        """Parameters for compute; leaves already materialized (`materialize_stack`) pass."""
+        return jax.tree.map(lambda f: _fetch(f.param, f.target, f.how) if _is_fetch(f) else f,
+                            state, is_leaf=_is_fetch)
+
+    def materialize_stack(self, state: Any) -> Any:
+        """A stack of layers materialized whole (axes count from the stack, not one layer)."""
+        def whole(f: Fetch) -> jax.Array:
+            how = dataclasses.replace(
+                f.how, tp_spec=P(None, *f.how.tp_spec),
+                **{axis: None if getattr(f.how, axis) is None else getattr(f.how, axis) + 1
+                   for axis in ("gather_axis", "scatter_axis")})
+            return _fetch(f.param, f.target, how)
+
+        return jax.tree.map(whole, state, is_leaf=_is_fetch)
 
     def take(self, table: Fetch, ids: jax.Array) -> jax.Array:
         rows_TxD = _take(table.param, table.target, ids.reshape(-1), table.how,
@@ -211,6 +224,8 @@ def _take_bwd(how: _How, vocab: int, ids_T: jax.Array, grad_TxD: jax.Array):
         ids = jax.lax.all_gather(ids_T, FSDP, tiled=True)
         with jax.named_scope(SYNC_SCOPE):
             rows = grad_TxD.astype(how.reduce_dtype)
+            if how.over_pp:  # the rows of every pipeline stage's lookup (only the first's count)
+                rows = cpu_safe_reduction(lambda r: jax.lax.psum(r, PP))(rows)
             if how.scatter_axis is None:
                 rows = jax.lax.all_gather(rows, FSDP, tiled=True)
             else:
@@ -287,13 +302,15 @@ def _hows(sync: GradientSync, params: Any) -> Any:
         return _How(None if gather is None else gather - shift,
                     None if scatter is None else scatter - shift,
                     _without_fsdp(param_spec, shift), reduce,
+                    sync.pp > 1 and PP not in tuple(param_spec),
                     sync.compute_dtype, sync.reduce_dtype, _local_dtype(sync, reduce))
 
     return jax.tree.map(how, params, sync.param_specs, sync.grad_specs, sync.stacked)
 
 
 def _local_dtype(sync: GradientSync, reduced: bool):
-    return jnp.float32 if reduced else sync.local_grad_dtype
+    """fp32 for reduced gradients; else the compute dtype (summed in fp32 across micro-steps)."""
+    return jnp.float32 if reduced else sync.compute_dtype
 
 
 def _gradient_zeros(sync: GradientSync, params: Any, reduced: bool, dtype) -> Any:

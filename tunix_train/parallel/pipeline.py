@@ -12,7 +12,11 @@ scan of M + pp - 1 iterations moves them through the stages:
 
 Autodiff of that scan is the GPipe backward: the transposed permutes carry the cotangents back
 stage by stage. The first and last pp - 1 iterations leave some stage idle: the bubble,
-(pp - 1) / (M + pp - 1) of the step.
+(pp - 1) / (M + pp - 1) of the step. A stage's blocks are materialized once per micro-batch,
+before the scan (ZeRO-3: one all-gather over fsdp, not one per iteration), and stay so until
+the backward pass has gone through every iteration; their gradient is then reduced once. The
+cost is that stage's gathered weights alive for the whole pipeline, and their gradient summed
+over the iterations in the compute dtype before the reduction.
 
 Where the rest lives, and why. The embedding is a row lookup: every stage does it for all M
 micro-batches (no FLOPs worth splitting, and no activations to move), only stage 0's result
@@ -35,13 +39,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tunix_train.config import ConfigError, ModelConfig
+from tunix_train.models import params as model_params
 from tunix_train.models.gemma3 import LayerLayout
 from tunix_train.models.head import VocabChunks
 from tunix_train.parallel.fsdp import cpu_safe_reduction
 from tunix_train.parallel.mesh import PP
 
 log = logging.getLogger(__name__)
-MAX_BUBBLE = 0.25  # the default number of pipeline micro-batches keeps the bubble at most this
+MAX_BUBBLE = 0.25
+BLOCK_STACKS = ("local_layers", "global_layers")  # what the stages hold (sharded over pp)  # the default number of pipeline micro-batches keeps the bubble at most this
 
 
 @dataclass(frozen=True)
@@ -153,6 +159,10 @@ def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: dict, plan: Schedule,
               vocab_chunks: VocabChunks = VocabChunks()) -> tuple[jax.Array, dict]:
     """training/train_step.py's `loss_sums` on one pipeline stage: this stage's share of the
     loss sum and token count over one [B, L] micro-batch (summed over pp by the caller)."""
+    # The stage's blocks are gathered once (ZeRO-3) for all its iterations, and their
+    # gradients reduced once after the pipeline's backward pass.
+    params = {**params, **{stack: model_params.materialize_stack(params[stack])
+                           for stack in BLOCK_STACKS if stack in params}}
     model = nnx.merge(graphdef, params)
     rows, length = batch["inputs"].shape
     M = plan.microbatches
