@@ -61,7 +61,6 @@ PER_LAYER = {
     ("pre_mlp_norm", "scale"): ("pre_feedforward_layernorm.weight", VECTOR),
     ("post_mlp_norm", "scale"): ("post_feedforward_layernorm.weight", VECTOR),
 }
-STACKS = {"local_layers": "local", "global_layers": "global", "trailing_layers": "trailing"}
 
 
 def _view(layout: Layout, shape: tuple[int, ...]) -> list[int]:

@@ -302,10 +302,15 @@ def _hows(sync: GradientSync, params: Any) -> Any:
         return _How(None if gather is None else gather - shift,
                     None if scatter is None else scatter - shift,
                     _without_fsdp(param_spec, shift), reduce,
-                    sync.pp > 1 and PP not in tuple(param_spec),
+                    _summed_over_pp(sync, param_spec),
                     sync.compute_dtype, sync.reduce_dtype, _local_dtype(sync, reduce))
 
     return jax.tree.map(how, params, sync.param_specs, sync.grad_specs, sync.stacked)
+
+
+def _summed_over_pp(sync: GradientSync, spec: P) -> bool:
+    """Held by every pipeline stage (not split over pp): its gradient is summed over pp."""
+    return sync.pp > 1 and PP not in tuple(spec)
 
 
 def _local_dtype(sync: GradientSync, reduced: bool):
@@ -340,13 +345,12 @@ def _first(tree: Any) -> Any:
 
 
 def _reduce_all(sync: GradientSync, grads: Any) -> Any:
-    """One reduction of a whole local gradient (sync_every > 1, or pipeline stages). On a
-    pipeline mesh the parameters every stage holds (embedding, final norm, trailing layers)
-    have a share of their gradient on each stage: those shares are summed over pp too."""
+    """One reduction of a whole local gradient (sync_every > 1). On a pipeline mesh the
+    parameters every stage holds (embedding, final norm, trailing layers) have a share of their
+    gradient on each stage: those shares are summed over pp too."""
     def reduce(grad, spec):
-        over_pp = sync.pp > 1 and PP not in tuple(spec)
         return _blockwise(lambda g: _reduce_one(g.astype(sync.reduce_dtype), _fsdp_axis(spec),
-                                                over_pp),
+                                                _summed_over_pp(sync, spec)),
                           _without_fsdp(spec))(grad).astype(jnp.float32)
 
     with jax.named_scope(SYNC_SCOPE):

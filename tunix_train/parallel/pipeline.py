@@ -165,34 +165,40 @@ def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: dict, plan: Schedule,
                            for stack in BLOCK_STACKS if stack in params}}
     model = nnx.merge(graphdef, params)
     rows, length = batch["inputs"].shape
-    M = plan.microbatches
-    split = lambda x: x.reshape(M, rows // M, length)  # noqa: E731
     positions = batch.get("positions")
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(length), (rows, length))
-    positions_M, segments_M = split(positions), batch.get("segment_ids")
-    segments_M = None if segments_M is None else split(segments_M)
+    segments = batch.get("segment_ids")
+    positions_M = _micro_batches(positions, plan)
+    segments_M = None if segments is None else _micro_batches(segments, plan)
 
     def stage_fn(x, micro):
         return model.blocks(x, positions_M[micro],
                             None if segments_M is None else segments_M[micro])
 
-    embedded = model.embed(batch["inputs"])
-    outputs = gpipe(stage_fn, embedded.reshape(M, rows // M, length, -1), plan,
-                    model.cfg.unroll_layers)
-
-    # This stage's micro-batches of everything the tail and the loss read, zero-padded past M.
-    def mine(x):
-        x = split(x)
-        x = jnp.concatenate([x, jnp.zeros((plan.per_stage * plan.stages - M, *x.shape[1:]),
-                                          x.dtype)])
-        start = jax.lax.axis_index(PP) * plan.per_stage
-        x = jax.lax.dynamic_slice_in_dim(x, start, plan.per_stage)
-        return x.reshape(-1, length)
-
+    embedded = _micro_batches(model.embed(batch["inputs"]), plan)
+    outputs = gpipe(stage_fn, embedded, plan, model.cfg.unroll_layers)
     hidden = outputs.reshape(-1, length, outputs.shape[-1])
-    segments = None if segments_M is None else mine(batch["segment_ids"])
-    hidden = model.tail(hidden, mine(positions), segments)
-    token_loss = model.embedder.token_losses(hidden, mine(batch["targets"]), vocab_chunks)
-    weights = mine(batch["weights"])
+    hidden = model.tail(hidden, _stage_share(positions, plan),
+                        None if segments is None else _stage_share(segments, plan))
+    token_loss = model.embedder.token_losses(hidden, _stage_share(batch["targets"], plan),
+                                             vocab_chunks)
+    weights = _stage_share(batch["weights"], plan)
     return jnp.sum(token_loss * weights), {"tokens": jnp.sum(weights)}
+
+
+def _micro_batches(x: jax.Array, plan: Schedule) -> jax.Array:
+    """[B, ...] → [M, B / M, ...]: the pipeline micro-batches, consecutive rows each."""
+    return x.reshape(plan.microbatches, x.shape[0] // plan.microbatches, *x.shape[1:])
+
+
+def _stage_share(x: jax.Array, plan: Schedule) -> jax.Array:
+    """The rows of the micro-batches whose loss this stage computes (those `gpipe` returns it),
+    zero past M: [B, L] → [per_stage · B / M, L]."""
+    x = _micro_batches(x, plan)
+    padding = jnp.zeros((plan.per_stage * plan.stages - plan.microbatches, *x.shape[1:]),
+                        x.dtype)
+    x = jnp.concatenate([x, padding])
+    x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(PP) * plan.per_stage,
+                                     plan.per_stage)
+    return x.reshape(-1, *x.shape[2:])

@@ -172,8 +172,7 @@ class Setup:
 
 
 def _check_host_memory(devices: list[jax.Device]) -> None:
-    lacking = [d for d in devices if "pinned_host" not in
-               {m.kind for m in d.addressable_memories()}]
+    lacking = [d for d in devices if HOST not in {m.kind for m in d.addressable_memories()}]
     if lacking:
         raise ConfigError(
             f"training.offload_optimizer=true needs pinned host memory, which {lacking[0]} "
