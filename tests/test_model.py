@@ -112,4 +112,6 @@ def test_unroll_layers_decides_whether_the_forward_pass_loops(unroll):
                         f"model.unroll_layers={unroll}")
     graphdef, state = nnx.split(model)
     text = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)).lower(state, _tokens()).as_text()
-    assert ("stablehlo.while" in text) is not unroll
+    # One loop is always there: the one that builds both kinds' RoPE tables (Gemma3.rope).
+    loops = text.count("stablehlo.while")
+    assert loops == 1 if unroll else loops > 1

@@ -128,27 +128,28 @@ class Gemma3(nnx.Module):
         """The final normalised hidden states [B, L, D], the output head's input."""
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(tokens_BxL.shape[1]), tokens_BxL.shape)
-        x_BxLxD = self.embed(tokens_BxL)
-        x_BxLxD = self.blocks(x_BxLxD, positions_BxL, segment_ids_BxL)
-        return self.tail(x_BxLxD, positions_BxL, segment_ids_BxL)
+        ropes = self.rope(positions_BxL)
+        x_BxLxD = self.blocks(self.embed(tokens_BxL), ropes, segment_ids_BxL)
+        return self.tail(x_BxLxD, ropes, segment_ids_BxL)
 
     def embed(self, tokens_BxL: jax.Array) -> jax.Array:
         x_BxLxD = self.embedder.encode(tokens_BxL)
         return constrain(x_BxLxD, ("act_batch", "act_seq", "act_embed"))
 
-    def blocks(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
+    def blocks(self, x_BxLxD: jax.Array, ropes: dict[str, tuple],
                segment_ids_BxL: jax.Array | None) -> jax.Array:
         """The [locals..., global] blocks whose layers this module holds: all of them, or one
-        pipeline stage's when the stacks are a stage's slices (parallel/pipeline.py)."""
-        steps = self._scan_steps(positions_BxL, segment_ids_BxL, ("local", "global"))
+        pipeline stage's when the stacks are a stage's slices (parallel/pipeline.py). `ropes`:
+        `rope(positions)`, which a pipeline computes once for all its micro-batches."""
+        steps = self._scan_steps(ropes, segment_ids_BxL, ("local", "global"))
         x_BxLxD, _ = self._run_blocks(x_BxLxD, steps, self._states(("local", "global")))
         return x_BxLxD
 
-    def tail(self, x_BxLxD: jax.Array, positions_BxL: jax.Array,
+    def tail(self, x_BxLxD: jax.Array, ropes: dict[str, tuple],
              segment_ids_BxL: jax.Array | None) -> jax.Array:
         """The trailing locals and the final norm."""
         if self.trailing_layers is not None:
-            step = self._scan_steps(positions_BxL, segment_ids_BxL, ("trailing",))["trailing"]
+            step = self._scan_steps(ropes, segment_ids_BxL, ("trailing",))["trailing"]
             x_BxLxD, _ = jax.lax.scan(step, x_BxLxD, nnx.state(self.trailing_layers),
                                       unroll=self.cfg.unroll_layers)
         return _materialized(self.final_norm)(x_BxLxD)
@@ -158,7 +159,7 @@ class Gemma3(nnx.Module):
         """Logits [B, T, V] of T new tokens attending to the cache and themselves; the cache
         with the new keys and values written. Positions < 0 mark padding (attends to nothing)."""
         x_BxTxD = self.embed(tokens_BxT)
-        ropes = self._rope(positions_BxT)
+        ropes = self.rope(positions_BxT)
         steps, xs = {}, {}  # per stack: the scan body, and (layer params, layer caches) to scan
         for kind in KINDS:
             stack = self._stack(kind)
@@ -191,12 +192,22 @@ class Gemma3(nnx.Module):
         return {kind: nnx.state(self._stack(kind)) for kind in kinds
                 if self._stack(kind) is not None}
 
-    def _rope(self, positions_BxL: jax.Array) -> dict[str, tuple]:
+    def rope(self, positions_BxL: jax.Array) -> dict[str, tuple]:
+        """Per stack kind, the RoPE cos/sin tables [B, L, 1, H] of these positions.
+
+        Both kinds' tables come out of one loop (over their base and scale) rather than two
+        expressions: XLA's CPU backend fuses a cos/sin expression into each consumer, which
+        recomputes it per layer, per head and per pipeline iteration (180 sine fusions in one
+        pipelined step of bench/pipeline_bubble.py, 40 in an 8-layer unrolled step); a loop's
+        outputs are computed once and read by all."""
         cfg = self.cfg
-        local = rope_tables(positions_BxL, cfg.head_dim, cfg.local_rope_base, 1.0)
-        return {"local": local, "trailing": local,
-                "global": rope_tables(positions_BxL, cfg.head_dim, cfg.global_rope_base,
-                                      cfg.global_rope_scale)}
+        bases = jnp.array([cfg.local_rope_base, cfg.global_rope_base], jnp.float32)
+        scales = jnp.array([1.0, cfg.global_rope_scale], jnp.float32)
+        _, (cos, sin) = jax.lax.scan(
+            lambda _, base_scale: (None, rope_tables(positions_BxL, cfg.head_dim, *base_scale)),
+            None, (bases, scales))
+        local = (cos[0], sin[0])
+        return {"local": local, "trailing": local, "global": (cos[1], sin[1])}
 
     def _run_blocks(self, x, steps: dict, xs: dict):
         """Runs the [locals..., global] blocks: a scan over blocks, each a scan over its locals
@@ -227,9 +238,8 @@ class Gemma3(nnx.Module):
                                        local_ys)
         return x, ys
 
-    def _scan_steps(self, positions_BxL, segment_ids_BxL, kinds) -> dict:
+    def _scan_steps(self, ropes, segment_ids_BxL, kinds) -> dict:
         """The remat'ed scan body of each stack in `kinds` that has layers."""
-        ropes = self._rope(positions_BxL)
         steps = {}
         for kind in kinds:
             stack = self._stack(kind)

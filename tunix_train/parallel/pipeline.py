@@ -169,17 +169,18 @@ def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: dict, plan: Schedule,
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(length), (rows, length))
     segments = batch.get("segment_ids")
-    positions_M = _micro_batches(positions, plan)
+    ropes = model.rope(positions)  # once for all micro-batches, not at every iteration
+    ropes_M = jax.tree.map(lambda t: _micro_batches(t, plan), ropes)
     segments_M = None if segments is None else _micro_batches(segments, plan)
 
     def stage_fn(x, micro):
-        return model.blocks(x, positions_M[micro],
+        return model.blocks(x, jax.tree.map(lambda t: t[micro], ropes_M),
                             None if segments_M is None else segments_M[micro])
 
     embedded = _micro_batches(model.embed(batch["inputs"]), plan)
     outputs = gpipe(stage_fn, embedded, plan, model.cfg.unroll_layers)
     hidden = outputs.reshape(-1, length, outputs.shape[-1])
-    hidden = model.tail(hidden, _stage_share(positions, plan),
+    hidden = model.tail(hidden, jax.tree.map(lambda t: _stage_share(t, plan), ropes),
                         None if segments is None else _stage_share(segments, plan))
     token_loss = model.embedder.token_losses(hidden, _stage_share(batch["targets"], plan),
                                              vocab_chunks)
