@@ -67,21 +67,31 @@ def test_each_stage_holds_its_own_blocks_only(runs):
             assert {s.data.shape[0] for s in leaf.addressable_shards} == {blocks // 2}
             stages = {s.device: s.index[0].start for s in leaf.addressable_shards}
             assert sorted(set(stages.values())) == [0, blocks // 2]
-    for leaf in jax.tree.leaves(state["params"]["trailing_layers"]):  # every stage runs them
-        assert "pp" not in tuple(leaf.sharding.spec)
+    # What every stage runs (embedding, trailing layers) is split over fsdp and pp together
+    # along the dimension fsdp splits (ZeRO-3 over the 4 devices holding a copy), not by layer.
+    for key in ("trailing_layers", "embedder"):
+        for leaf in jax.tree.leaves(state["params"][key]):
+            spec = tuple(leaf.sharding.spec)
+            assert "pp" not in spec
+            if leaf.ndim > 1 + (key == "trailing_layers"):  # not a norm's scale
+                dim = spec.index(("fsdp", "pp"))
+                assert len({s.index[dim].start for s in leaf.addressable_shards}) == 4
 
 
 def test_the_planner_shows_the_stage_memory_bubble_and_permutes(runs):
-    """Per-device parameter bytes: the block stacks halve at pp=2 for the same fsdp × tp; the
-    embedding, final norm and trailing layers stay on every stage."""
+    """Per-device parameter and optimizer bytes halve at pp=2 for the same fsdp × tp (ZeRO-3):
+    the block stacks are split into stages, the rest over fsdp × pp; only the norms' scales
+    outside the stages (replicated over fsdp anyway, <1% of the bytes) stay whole."""
     with_pp, without = runs["2x2x2"], runs["none"]
-    params = {name: run[1].per_device_bytes["params"] for name, run in runs.items()}
-    abstract, shardings = without[0].params.abstract, without[0].params.shardings
-    stacks = sum(np.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
-                 for key in ("local_layers", "global_layers")
-                 for a, s in zip(jax.tree.leaves(abstract[key]), jax.tree.leaves(shardings[key])))
-    assert params["2x2x2"] == params["none"] - stacks / 2
-    assert params["2x2x2"] < 0.6 * params["none"]
+    abstract, shardings = with_pp[0].params.abstract, with_pp[0].params.shardings
+    replicated = sum(np.prod(s.shard_shape(a.shape)) * a.dtype.itemsize  # on every device
+                     for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings))
+                     if not {"fsdp", "pp"} & set(jax.tree.leaves(tuple(s.spec))))
+    for kind, copies in (("params", 1), ("optimizer", 2)):  # Adam: two moments per parameter
+        bytes_ = {name: run[1].per_device_bytes[kind] for name, run in runs.items()}
+        whole = copies * replicated
+        assert bytes_["2x2x2"] - whole == pytest.approx((bytes_["none"] - whole) / 2, abs=64)
+    assert 0 < replicated < 0.01 * without[1].per_device_bytes["params"]
     plan = with_pp[0].options.pipeline
     assert (plan.stages, plan.microbatches) == (2, 4)  # 4 rows per fsdp shard: M=4, bubble 20%
     assert plan.bubble == pytest.approx(1 / 5)

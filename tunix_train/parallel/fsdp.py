@@ -106,6 +106,8 @@ class _How:
 
     gather_axis: int | None  # the axis its shard is cut along (ZeRO-3); None = held whole
     scatter_axis: int | None  # the reduced gradient's sharded axis; None = all-reduce
+    gather_group: tuple[str, ...]  # the mesh axes that axis is split over: fsdp (and pp)
+    scatter_group: tuple[str, ...]
     tp_spec: P  # its layout over the other (automatic) mesh axes, e.g. tp: kept explicitly
     reduce: bool  # False: leave the gradient local and unreduced (sync_every > 1)
     over_pp: bool  # held by every pipeline stage: its gradient is summed over pp as well
@@ -138,8 +140,8 @@ def _fetch(param: jax.Array, target: jax.Array, how: _How) -> jax.Array:
     param = param.astype(how.compute_dtype)
     if how.gather_axis is None:
         return param
-    return _blockwise(lambda p: jax.lax.all_gather(p, FSDP, axis=how.gather_axis, tiled=True),
-                      how.tp_spec)(param)
+    return _blockwise(lambda p: jax.lax.all_gather(p, how.gather_group, axis=how.gather_axis,
+                                                   tiled=True), how.tp_spec)(param)
 
 
 def _fetch_fwd(param, target, how):
@@ -150,7 +152,8 @@ def _fetch_bwd(how: _How, _, grad: jax.Array):
     if how.reduce:
         with jax.named_scope(SYNC_SCOPE):
             grad = _blockwise(lambda g: _reduce_one(g.astype(how.reduce_dtype), how.scatter_axis,
-                                                    how.over_pp), how.tp_spec)(grad)
+                                                    how.scatter_group, how.over_pp),
+                              how.tp_spec)(grad)
     return None, grad.astype(how.grad_dtype)
 
 
@@ -199,7 +202,9 @@ class FsdpHook:
 # The embedding lookup. A [V, D] gradient of a few hundred looked-up rows would be almost all
 # zeros, and reducing it over fsdp would move the whole table: instead, rows and their
 # gradients travel between devices (all-to-all), a few megabytes, and each device adds the
-# gradient rows into its own shard. Tables are sharded over fsdp along D (axis 1), if at all.
+# gradient rows into its own shard. Tables are sharded over fsdp (and pp: sharding.
+# spread_over_pp) along D (axis 1), if at all; on a pipeline mesh every stage looks up the same
+# rows, and only the first stage's lookup has a gradient.
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _take(param: jax.Array, target: jax.Array, ids_T: jax.Array, how: _How,
@@ -209,9 +214,10 @@ def _take(param: jax.Array, target: jax.Array, ids_T: jax.Array, how: _How,
     if how.gather_axis is None:  # the table is whole here
         return jnp.take(param, ids_T, axis=0)
     # Every device looks up every device's ids in its own columns; all-to-all sends each
-    # device's rows home, the columns concatenated in fsdp order.
-    rows_NxTxd = jnp.take(param, jax.lax.all_gather(ids_T, FSDP), axis=0)
-    return jax.lax.all_to_all(rows_NxTxd, FSDP, split_axis=0, concat_axis=2, tiled=True)[0]
+    # device's rows home, the columns concatenated in the group's order.
+    group = how.gather_group
+    rows_NxTxd = jnp.take(param, jax.lax.all_gather(ids_T, group), axis=0)
+    return jax.lax.all_to_all(rows_NxTxd, group, split_axis=0, concat_axis=2, tiled=True)[0]
 
 
 def _take_fwd(param, target, ids_T, how, vocab):
@@ -221,15 +227,16 @@ def _take_fwd(param, target, ids_T, how, vocab):
 def _take_bwd(how: _How, vocab: int, ids_T: jax.Array, grad_TxD: jax.Array):
     rows, ids = grad_TxD, ids_T  # unreduced (sync_every > 1): this device's own rows
     if how.reduce:  # every device's gradient rows, in all columns or in this device's own
-        ids = jax.lax.all_gather(ids_T, FSDP, tiled=True)
+        group = how.scatter_group or (FSDP,)
+        ids = jax.lax.all_gather(ids_T, group, tiled=True)
         with jax.named_scope(SYNC_SCOPE):
             rows = grad_TxD.astype(how.reduce_dtype)
             if how.over_pp:  # the rows of every pipeline stage's lookup (only the first's count)
                 rows = cpu_safe_reduction(lambda r: jax.lax.psum(r, PP))(rows)
             if how.scatter_axis is None:
-                rows = jax.lax.all_gather(rows, FSDP, tiled=True)
+                rows = jax.lax.all_gather(rows, group, tiled=True)
             else:
-                rows = jax.lax.all_to_all(rows[None], FSDP, split_axis=2, concat_axis=0,
+                rows = jax.lax.all_to_all(rows[None], group, split_axis=2, concat_axis=0,
                                           tiled=True).reshape(ids.shape[0], -1)
     grad = jax.ops.segment_sum(rows.astype(jnp.float32), ids, num_segments=vocab)
     return None, grad.astype(how.grad_dtype), None
@@ -238,13 +245,16 @@ def _take_bwd(how: _How, vocab: int, ids_T: jax.Array, grad_TxD: jax.Array):
 _take.defvjp(_take_fwd, _take_bwd)
 
 
-def _reduce_one(grad: jax.Array, scatter_axis: int | None, over_pp: bool = False) -> jax.Array:
-    """The sum over fsdp (scattered along `scatter_axis`, if any), and over pp too if asked."""
+def _reduce_one(grad: jax.Array, scatter_axis: int | None, scatter_group: tuple[str, ...],
+                over_pp: bool = False) -> jax.Array:
+    """The sum over fsdp, scattered along `scatter_axis` over `scatter_group` (fsdp, or fsdp
+    and pp) if there is one, and a sum over pp too if asked."""
     def reduce(grad):
         if scatter_axis is None:
             grad = jax.lax.psum(grad, FSDP)
         else:
-            grad = jax.lax.psum_scatter(grad, FSDP, scatter_dimension=scatter_axis, tiled=True)
+            grad = jax.lax.psum_scatter(grad, scatter_group, scatter_dimension=scatter_axis,
+                                        tiled=True)
         return jax.lax.psum(grad, PP) if over_pp else grad
 
     return cpu_safe_reduction(reduce)(grad)
@@ -269,26 +279,48 @@ def cpu_safe_reduction(reduce: Callable[[jax.Array], jax.Array]) -> Callable:
 # ---------------------------------------------------------------------------------------------
 # Layouts.
 
+def _names(entry: Any) -> tuple[str, ...]:
+    """The mesh axes one PartitionSpec entry splits a dimension over."""
+    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
 def _fsdp_axis(spec: P) -> int | None:
-    return next((i for i, axis in enumerate(spec) if axis == FSDP), None)
+    """The dimension split over fsdp (alone, or with pp: sharding.spread_over_pp)."""
+    return next((i for i, axis in enumerate(spec) if FSDP in _names(axis)), None)
+
+
+def _fsdp_group(spec: P) -> tuple[str, ...]:
+    axis = _fsdp_axis(spec)
+    return () if axis is None else _names(spec[axis])
 
 
 _MANUAL = (FSDP, PP)  # the shard_map's manual axes (pp only on pipeline meshes)
 
 
+def _is_manual(entry: Any) -> bool:
+    return bool(_names(entry)) and all(a in _MANUAL for a in _names(entry))
+
+
 def _manual_only(spec: P) -> P:
     """The manual (fsdp, pp) part of a spec: shard_map's in/out specs name only manual axes."""
-    return P(*(axis if axis in _MANUAL else None for axis in spec))
+    return P(*(axis if _is_manual(axis) else None for axis in spec))
 
 
 def _without_fsdp(spec: P, skip: int = 0) -> P:
     """The automatic (tp) part of a spec, less its first `skip` axes."""
-    return P(*tuple(None if axis in _MANUAL else axis for axis in spec)[skip:])
+    return P(*tuple(None if _is_manual(axis) else axis for axis in spec)[skip:])
 
 
-def _local_shape(shape: tuple[int, ...], spec: P, mesh: Mesh, axes=_MANUAL) -> tuple[int, ...]:
-    """The block of `shape` one device holds along the manual `axes` of `spec`."""
-    return tuple(d // mesh.shape[a] if a in axes else d for d, a in
+def _local_shape(shape: tuple[int, ...], spec: P, mesh: Mesh, reduced: bool) -> tuple[int, ...]:
+    """The block of `shape` one device holds of a gradient laid out as `spec`: reduced, its
+    block along the manual axes; unreduced, the whole of every dimension but a pipeline
+    stage's layers."""
+    def local(d, entry):
+        if reduced and _is_manual(entry):
+            return d // math.prod(mesh.shape[a] for a in _names(entry))
+        return d // mesh.shape[PP] if entry == PP else d
+
+    return tuple(local(d, a) for d, a in
                  zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))))
 
 
@@ -301,16 +333,19 @@ def _hows(sync: GradientSync, params: Any) -> Any:
         gather, scatter = _fsdp_axis(param_spec), _fsdp_axis(grad_spec)
         return _How(None if gather is None else gather - shift,
                     None if scatter is None else scatter - shift,
+                    _fsdp_group(param_spec), _fsdp_group(grad_spec),
                     _without_fsdp(param_spec, shift), reduce,
-                    _summed_over_pp(sync, param_spec),
+                    _summed_over_pp(sync, grad_spec),
                     sync.compute_dtype, sync.reduce_dtype, _local_dtype(sync, reduce))
 
     return jax.tree.map(how, params, sync.param_specs, sync.grad_specs, sync.stacked)
 
 
-def _summed_over_pp(sync: GradientSync, spec: P) -> bool:
-    """Held by every pipeline stage (not split over pp): its gradient is summed over pp."""
-    return sync.pp > 1 and PP not in tuple(spec)
+def _summed_over_pp(sync: GradientSync, grad_spec: P) -> bool:
+    """Held by every pipeline stage, its reduced gradient not split over pp: an all-reduce
+    over pp follows the reduction over fsdp (where it is split over fsdp and pp, the
+    reduce-scatter over both sums over pp)."""
+    return sync.pp > 1 and not any(PP in _names(axis) for axis in grad_spec)
 
 
 def _local_dtype(sync: GradientSync, reduced: bool):
@@ -322,8 +357,7 @@ def _gradient_zeros(sync: GradientSync, params: Any, reduced: bool, dtype) -> An
     """Zeros shaped like this device's gradient of each parameter: its reduced shard, or the
     local whole (of this pipeline stage's layers)."""
     return jax.tree.map(
-        lambda p, spec: jnp.zeros(_local_shape(p.shape, spec, sync.mesh,
-                                               _MANUAL if reduced else (PP,)), dtype),
+        lambda p, spec: jnp.zeros(_local_shape(p.shape, spec, sync.mesh, reduced), dtype),
         params, sync.grad_specs)
 
 
@@ -350,7 +384,7 @@ def _reduce_all(sync: GradientSync, grads: Any) -> Any:
     gradient on each stage: those shares are summed over pp too."""
     def reduce(grad, spec):
         return _blockwise(lambda g: _reduce_one(g.astype(sync.reduce_dtype), _fsdp_axis(spec),
-                                                _summed_over_pp(sync, spec)),
+                                                _fsdp_group(spec), _summed_over_pp(sync, spec)),
                           _without_fsdp(spec))(grad).astype(jnp.float32)
 
     with jax.named_scope(SYNC_SCOPE):
@@ -432,6 +466,7 @@ def local_gradient_bytes(sync: GradientSync, params: Any, dtype: jnp.dtype) -> i
     leaves, treedef = jax.tree.flatten(params)
     total = 0
     for p, spec in zip(leaves, treedef.flatten_up_to(sync.grad_specs)):
-        local = NamedSharding(sync.mesh, P(*(None if axis == FSDP else axis for axis in spec)))
+        local = NamedSharding(sync.mesh, P(*(None if FSDP in _names(axis) else axis
+                                             for axis in spec)))
         total += math.prod(local.shard_shape(p.shape)) * jnp.dtype(dtype).itemsize
     return total

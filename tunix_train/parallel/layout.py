@@ -45,13 +45,16 @@ class ParamLayout:
         graphdef, variables = nnx.split(nnx.eval_shape(lambda: Gemma3(model, rngs=nnx.Rngs(0),
                                                                       remat=remat)))
 
+        abstract = nnx.to_pure_dict(variables)
+
         def shardings(rules_of_state):
-            return nnx.to_pure_dict(sharding.state_shardings(variables, mesh, rules_of_state))
+            return sharding.spread_over_pp(nnx.to_pure_dict(
+                sharding.state_shardings(variables, mesh, rules_of_state)), abstract, mesh)
 
         stacked = nnx.to_pure_dict(nnx.map_state(
             lambda _, v: v.replace(v.get_metadata()["out_sharding"][0] in (LAYERS, TRAILING)),
             variables))
-        return cls(mesh, rules, model, graphdef, nnx.to_pure_dict(variables),
+        return cls(mesh, rules, model, graphdef, abstract,
                    shardings(rules.params), shardings(rules.grads), shardings(rules.optimizer),
                    stacked, compute_dtype(mixed_precision))
 

@@ -190,6 +190,27 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
+def spread_over_pp(shardings: Any, abstract: Any, mesh: Mesh) -> Any:
+    """On a pipeline mesh, what every stage holds (embedding, final norm, trailing layers) is
+    split over pp as well wherever it is split over fsdp: ZeRO over all fsdp × pp devices
+    that hold a copy, since its gradient is summed over pp as over fsdp. Per-device parameter
+    (ZeRO-3), gradient (2) and optimizer (1) bytes then halve from pp=1 to pp=2 like the
+    pipelined blocks'. A dimension fsdp · pp does not divide stays split over fsdp alone."""
+    pp, fsdp = mesh.shape.get(PP, 1), mesh.shape[FSDP]
+
+    def spread(s: NamedSharding, leaf: Any) -> NamedSharding:
+        spec = tuple(s.spec)
+        if pp == 1 or PP in spec or FSDP not in spec:
+            return s
+        dim = spec.index(FSDP)
+        if leaf.shape[dim] % (fsdp * pp):
+            return s
+        return NamedSharding(mesh, P(*spec[:dim], (FSDP, PP), *spec[dim + 1:]),
+                             memory_kind=s.memory_kind)
+
+    return jax.tree.map(spread, shardings, abstract)
+
+
 def gathered_over_fsdp(shardings: Any) -> Any:
     """The same shardings with fsdp removed: a whole copy on every fsdp shard, split over tp
     only (what decoding wants: no gather per generated token)."""
