@@ -156,8 +156,10 @@ def from_hlo(module: hlo.Module, mesh: Mesh, gradient_bytes: float | None = None
     report = CommReport(sorted(rows.values(), key=lambda c: (c.phase, c.kind, c.axis)),
                         warnings=module.warnings)
     if gradient_bytes:
-        synced = sum(report.total(kind=kind, axis=FSDP, phase="gradient sync")[1]
-                     for kind in ("reduce-scatter", "all-reduce"))
+        # Over fsdp, or over fsdp and pp together (pipeline meshes: sharding.spread_over_pp).
+        synced = sum(c.bytes for c in report.collectives if c.phase == "gradient sync"
+                     and c.kind in ("reduce-scatter", "all-reduce")
+                     and FSDP in c.axis.split("+"))
         report.gradient_reductions_per_step = round(synced / gradient_bytes, 3)
     return report
 

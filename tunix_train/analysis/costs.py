@@ -70,8 +70,8 @@ class StepCosts:
         if sync.sync_every == 1 and sync.pp > 1:
             done = {"reduce-scatter": "reduce-scattered", "all-reduce": "all-reduced"}[kind]
             return (f"gradient sync: a pipeline stage's layers are {done} once per micro-step "
-                    f"after the pipeline's backward pass, the layers every stage holds layer by "
-                    f"layer (and summed over pp), over fsdp in {dtype} = "
+                    f"after the pipeline's backward pass over fsdp, the layers every stage uses "
+                    f"layer by layer over fsdp and pp, in {dtype} = "
                     f"{sync.reductions_per_step} full reduction(s) per step (measured: "
                     f"{measured:g})")
         if sync.sync_every == 1:

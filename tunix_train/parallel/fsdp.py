@@ -26,8 +26,10 @@ count of every gradient collective are its own on every backend.
 
 On a mesh with pipeline stages (`pp`, parallel/pipeline.py) the shard_map is manual over pp
 too: a stage's block stacks arrive as its own slices and are fetched whole once per
-micro-batch (`FsdpHook.materialize_stack`); what every stage holds (embedding, final norm,
-trailing layers) has its gradient summed over pp in the same reduction.
+micro-batch (`FsdpHook.materialize_stack`); what every stage uses (embedding, final norm,
+trailing layers) is split over fsdp and pp together where ZeRO splits it (sharding.
+spread_over_pp): it is gathered and reduce-scattered over both axes, and where its gradient is
+not split, summed over pp after fsdp.
 
 `training.sync_gradients_every` = K > 1 trades memory for fewer reductions: `fetch` then leaves
 gradients local and unreduced, K micro-batches are summed into an fp32 buffer the size of this

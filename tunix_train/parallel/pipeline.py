@@ -23,8 +23,10 @@ micro-batches (no FLOPs worth splitting, and no activations to move), only stage
 is used. The output head and the loss are the largest single cost after the blocks (gemma3_1b:
 ~30% of the FLOPs), and so are the trailing locals: the last stage's outputs are spread over
 the stages (a reduce-scatter over pp) and each stage computes the trailing layers, the head and
-the loss of M / pp micro-batches. Everything outside the blocks is therefore held by every
-stage (sharded over fsdp/tp as usual), and its gradient is summed over pp (parallel/fsdp.py).
+the loss of M / pp micro-batches. Everything outside the blocks is therefore used by every
+stage, and its gradient is summed over pp (parallel/fsdp.py); it is stored as ZeRO says over
+all the devices that use it, fsdp × pp (sharding.spread_over_pp), so that per-device bytes of
+parameters (ZeRO-3), gradients (2) and optimizer state (1) halve from pp=1 to pp=2.
 """
 
 from __future__ import annotations
