@@ -88,3 +88,13 @@ def compiled_run(cfg: Config, steps: int, devices=None):
             losses.append(float(metrics["loss"]))
         data.close()
     return setup, costs, np.array(losses), state
+
+
+# Pipeline meshes of 8 devices (tests/test_pipeline*.py).
+PP_MESHES = {"2x2x2": [[2, 2, 2], ["pp", "fsdp", "tp"]], "4x1x2": [[4, 1, 2], ["pp", "fsdp", "tp"]],
+             "2x4x1": [[2, 4, 1], ["pp", "fsdp", "tp"]]}
+
+
+def mesh_of(shape) -> str:
+    sizes, names = shape
+    return f"model.mesh_shape=[{sizes},[{','.join(f'{n!r}' for n in names)}]]".replace("'", '"')

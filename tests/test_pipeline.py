@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import TINY, compiled_run, compose_config, mesh_arg, train_losses
+from helpers import (PP_MESHES, TINY, compiled_run, compose_config, mesh_arg, mesh_of,
+                     train_losses)
 from tunix_train import checkpoint
 from tunix_train import config as config_lib
 from tunix_train.checkpoint import Checkpoints
@@ -20,13 +21,6 @@ STEPS = 3
 # runs outside the stages. 8 rows per micro-step, 2 micro-steps accumulated.
 MODEL = [*TINY, "model.num_layers=9", "model.global_every=2", "training.global_batch_size=16",
          "training.gradient_accumulation_steps=2"]
-PP_MESHES = {"2x2x2": [[2, 2, 2], ["pp", "fsdp", "tp"]], "4x1x2": [[4, 1, 2], ["pp", "fsdp", "tp"]],
-             "2x4x1": [[2, 4, 1], ["pp", "fsdp", "tp"]]}
-
-
-def mesh_of(shape) -> str:
-    sizes, names = shape
-    return f"model.mesh_shape=[{sizes},[{','.join(f'{n!r}' for n in names)}]]".replace("'", '"')
 
 
 @pytest.fixture(scope="module")
@@ -119,13 +113,17 @@ def test_a_checkpoint_restores_across_pp_and_no_pp(runs, tmp_path, source, targe
         np.testing.assert_array_equal(jax.device_get(got), jax.device_get(want))
 
 
-def test_a_layer_count_that_does_not_split_names_the_pp_sizes_that_do():
+def test_stages_of_whole_blocks_and_what_a_layer_count_gives():
     four_b = compose_config("model=gemma3_4b").model  # 34 layers: 5 blocks of 6, 4 trailing
+    for pp, (per_stage, after) in {2: (12, 10), 4: (6, 10), 5: (6, 4)}.items():
+        pipeline.check_layers(four_b, pp)
+        record = pipeline.describe(pipeline.Schedule(pp, 8), four_b, 8)
+        assert (record["layers_per_stage"], record["layers_outside_stages"]) == (per_stage, after)
     with pytest.raises(ConfigError, match=r"model.num_layers=34 has 5 blocks of "
-                                          r"model.global_every=6 layers .* pp=2 .* \(\[5\]\)"):
-        pipeline.check_layers(four_b, 2)
-    pipeline.check_layers(compose_config("model=gemma3_1b").model, 4)  # 4 blocks + 2 trailing
-    with pytest.raises(ConfigError, match="pp=2"):
+                                          r"model.global_every=6 layers, too few for pp=8 .* "
+                                          r"at most 5"):
+        pipeline.check_layers(four_b, 8)
+    with pytest.raises(ConfigError, match="pp=2"):  # 2 layers: one block
         Setup.create(compose_config(*TINY, mesh_of([[2, 4, 1], ["pp", "fsdp", "tp"]])))
 
 

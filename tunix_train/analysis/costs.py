@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from tunix_train.analysis import comm_report, hlo
 from tunix_train.analysis.comm_report import CommReport
-from tunix_train.parallel import fsdp
+from tunix_train.parallel import fsdp, pipeline
 
 UNITS = {"MB": 1e6, "GB": 1e9}
 
@@ -100,7 +100,7 @@ def analyse(compiled: jax.stages.Compiled, sync: fsdp.GradientSync, abstract_par
         "host": xla["host_arguments"] + xla["host_outputs"] - xla["host_aliased"],
     }
     module = hlo.parse(text)
-    reduction = fsdp.local_gradient_bytes(sync, abstract_params, sync.reduce_dtype)
+    reduction = pipeline.reduced_gradient_bytes(sync, abstract_params, sync.reduce_dtype)
     comm = comm_report.from_hlo(module, sync.mesh, gradient_bytes=reduction)
     return StepCosts(per_device, xla, hlo.flops(module) * sync.mesh.devices.size, comm, module,
                      sync)

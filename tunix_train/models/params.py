@@ -5,6 +5,7 @@ Model code reads parameters in two ways, both right before use:
     materialize(state)   a module's parameters (the scanned layers: one layer's slice, inside
                          the layer loop; the output head: one vocabulary chunk at a time)
     materialize_stack(s) a stack of layers at once (a pipeline stage, parallel/pipeline.py)
+    stage_rows(s, ...)   a pipeline stage's rows of a stack stored whole over the stages
     take(table, ids)     rows of an embedding table (the token lookup)
 
 Outside `hooked(...)` both are what they say. A trainer installs a `ParamHook` to fetch
@@ -33,6 +34,8 @@ class ParamHook(Protocol):
 
     def materialize_stack(self, state: Any) -> Any: ...
 
+    def stage_rows(self, state: Any, stages: int, rows: int) -> tuple[Any, Any]: ...
+
     def take(self, table: Any, ids: jax.Array) -> jax.Array: ...
 
 
@@ -51,6 +54,16 @@ def materialize_stack(state: Any) -> Any:
     used by many pipeline iterations); `materialize` then passes them through."""
     hook = _hook.get()
     return state if hook is None else hook.materialize_stack(state)
+
+
+def stage_rows(state: Any, stages: int, rows: int) -> tuple[Any, Any]:
+    """A pipeline stage's `rows` rows of a layer stack that is not split over the stages by
+    rows, materialized at once, and the rows after all `stages` stages' rows, to `materialize`
+    one by one. Only a hook knows which stage this is (parallel/fsdp.py)."""
+    hook = _hook.get()
+    if hook is None:
+        raise RuntimeError("pipeline stages exist only inside the train step's shard_map")
+    return hook.stage_rows(state, stages, rows)
 
 
 def take(table: Any, ids: jax.Array) -> jax.Array:

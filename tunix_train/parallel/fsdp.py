@@ -186,19 +186,88 @@ class FsdpHook:
 
     def materialize_stack(self, state: Any) -> Any:
         """A stack of layers materialized whole (axes count from the stack, not one layer)."""
-        def whole(f: Fetch) -> jax.Array:
-            how = dataclasses.replace(
-                f.how, tp_spec=P(None, *f.how.tp_spec),
-                **{axis: None if getattr(f.how, axis) is None else getattr(f.how, axis) + 1
-                   for axis in ("gather_axis", "scatter_axis")})
-            return _fetch(f.param, f.target, how)
+        return jax.tree.map(lambda f: _fetch(f.param, f.target, _stack_how(f.how)), state,
+                            is_leaf=_is_fetch)
 
-        return jax.tree.map(whole, state, is_leaf=_is_fetch)
+    def stage_rows(self, state: Any, stages: int, rows: int) -> tuple[Any, Any]:
+        """A stack not split over pp by rows (its blocks do not divide into the stages): this
+        pipeline stage's `rows` rows materialized at once, and the rows after every stage's
+        (from `stages` × `rows` on), still to be materialized one by one."""
+        mine = jax.tree.map(
+            lambda f: _fetch_stage(f.param, f.target, _stack_how(f.how), stages, rows,
+                                   f.param.shape[0]), state,
+            is_leaf=_is_fetch)
+        rest = jax.tree.map(lambda f: Fetch(f.param[stages * rows:], f.target[stages * rows:],
+                                            f.how), state, is_leaf=_is_fetch)
+        return mine, rest
 
     def take(self, table: Fetch, ids: jax.Array) -> jax.Array:
         rows_TxD = _take(table.param, table.target, ids.reshape(-1), table.how,
                          table.target.shape[0])
         return rows_TxD.reshape(*ids.shape, rows_TxD.shape[-1])
+
+
+def _stack_how(how: _How) -> _How:
+    """`how` for a whole stack of layers: axes count from the stack, not one layer."""
+    return dataclasses.replace(
+        how, tp_spec=P(None, *how.tp_spec),
+        **{axis: None if getattr(how, axis) is None else getattr(how, axis) + 1
+           for axis in ("gather_axis", "scatter_axis")})
+
+
+# One pipeline stage's rows of a stack stored whole over pp (not split by rows): ZeRO-3 splits
+# it over fsdp × pp along another axis, so an all-to-all over pp brings this stage's rows the
+# other stages' columns (then gathered over fsdp), and its transpose sends each stage's
+# gradient columns home; below ZeRO-3 a stage takes its rows from its own copy, and the
+# reduced gradient rows of all stages are gathered over pp.
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _fetch_stage(param: jax.Array, target: jax.Array, how: _How, stages: int, rows: int,
+                 total: int) -> jax.Array:
+    del target, total
+
+    def gather(p):
+        if PP in how.gather_group:  # column blocks in fsdp-major order: (f, stage)
+            p = jax.lax.all_to_all(p.reshape(stages, rows, *p.shape[1:]), PP, split_axis=0,
+                                   concat_axis=how.gather_axis + 1, tiled=True)[0]
+        else:
+            p = jax.lax.dynamic_slice_in_dim(p, jax.lax.axis_index(PP) * rows, rows)
+        if how.gather_axis is not None:
+            p = jax.lax.all_gather(p, FSDP, axis=how.gather_axis, tiled=True)
+        return p
+
+    return _blockwise(gather, how.tp_spec)(param[:stages * rows].astype(how.compute_dtype))
+
+
+def _fetch_stage_fwd(param, target, how, stages, rows, total):
+    return _fetch_stage(param, target, how, stages, rows, total), None
+
+
+def _fetch_stage_bwd(how: _How, stages: int, rows: int, total: int, _, grad: jax.Array):
+    def reduce(g):
+        if how.scatter_axis is None:
+            g = jax.lax.psum(g, FSDP)
+        else:
+            g = jax.lax.psum_scatter(g, FSDP, scatter_dimension=how.scatter_axis, tiled=True)
+            if PP in how.scatter_group:
+                g = jax.lax.all_to_all(g[None], PP, split_axis=how.scatter_axis + 1,
+                                       concat_axis=0, tiled=True)
+                return g.reshape(stages * rows, *g.shape[2:])
+        return jax.lax.all_gather(g, PP, axis=0, tiled=True)  # every stage's rows, in order
+
+    if how.reduce:
+        with jax.named_scope(SYNC_SCOPE):
+            grad = _blockwise(cpu_safe_reduction(reduce), how.tp_spec)(
+                grad.astype(how.reduce_dtype))
+    else:  # local and unreduced: this stage's rows in place, the others' zero
+        grad = jax.lax.dynamic_update_slice_in_dim(
+            jnp.zeros((stages * rows, *grad.shape[1:]), grad.dtype), grad,
+            jax.lax.axis_index(PP) * rows, 0)
+    after = jnp.zeros((total - stages * rows, *grad.shape[1:]), grad.dtype)  # not the stages'
+    return None, jnp.concatenate([grad, after]).astype(how.grad_dtype)
+
+
+_fetch_stage.defvjp(_fetch_stage_fwd, _fetch_stage_bwd)
 
 
 # The embedding lookup. A [V, D] gradient of a few hundred looked-up rows would be almost all

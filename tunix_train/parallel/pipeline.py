@@ -31,6 +31,7 @@ parameters (ZeRO-3), gradients (2) and optimizer state (1) halve from pp=1 to pp
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -44,12 +45,12 @@ from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.models import params as model_params
 from tunix_train.models.gemma3 import LayerLayout
 from tunix_train.models.head import VocabChunks
-from tunix_train.parallel.fsdp import cpu_safe_reduction
+from tunix_train.parallel.fsdp import GradientSync, cpu_safe_reduction, local_gradient_bytes
 from tunix_train.parallel.mesh import PP
 
 log = logging.getLogger(__name__)
-MAX_BUBBLE = 0.25
-BLOCK_STACKS = ("local_layers", "global_layers")  # what the stages hold (sharded over pp)  # the default number of pipeline micro-batches keeps the bubble at most this
+MAX_BUBBLE = 0.25  # the default number of pipeline micro-batches keeps the bubble at most this
+BLOCK_STACKS = ("local_layers", "global_layers")  # what the stages are cut from
 
 
 @dataclass(frozen=True)
@@ -73,17 +74,43 @@ class Schedule:
 
 
 def check_layers(model: ModelConfig, pp: int) -> None:
-    """Pipeline stages are cut from whole [locals..., global] blocks, evenly."""
+    """Pipeline stages are cut from whole [locals..., global] blocks, at least one each."""
     if pp == 1:
         return
     layout = LayerLayout.of(model)
-    if layout.num_blocks % pp:
-        fits = [d for d in range(2, layout.num_blocks + 1) if layout.num_blocks % d == 0]
+    if layout.num_blocks < pp:
         raise ConfigError(
             f"model.num_layers={model.num_layers} has {layout.num_blocks} blocks of "
-            f"model.global_every={model.global_every} layers (and {layout.trailing_locals} "
-            f"trailing local layers), which do not split into pp={pp} equal pipeline stages; "
-            f"use a pp that divides {layout.num_blocks} ({fits or 'none'}) or no pp axis.")
+            f"model.global_every={model.global_every} layers, too few for pp={pp} pipeline "
+            f"stages of at least one block each; use a pp of at most {layout.num_blocks} or "
+            f"no pp axis.")
+
+
+@dataclass(frozen=True)
+class Stages:
+    """How a model's blocks split into pipeline stages: `per_stage` blocks each, and the
+    `leftover` blocks that do not divide evenly run after the stages, with the trailing layers
+    (every stage taking its share of the micro-batches, like the head)."""
+
+    per_stage: int
+    leftover: int
+    layout: LayerLayout
+
+    @classmethod
+    def of(cls, layout: LayerLayout, pp: int) -> "Stages":
+        return cls(*divmod(layout.num_blocks, pp), layout)
+
+    @property
+    def layers_per_stage(self) -> int:
+        return self.per_stage * (self.layout.locals_per_block + 1)
+
+    @property
+    def layers_after(self) -> int:
+        return self.leftover * (self.layout.locals_per_block + 1) + self.layout.trailing_locals
+
+    def rows(self, stack: str) -> int:
+        """Rows of `stack` (one of BLOCK_STACKS) each stage runs."""
+        return self.per_stage * (self.layout.locals_per_block if stack == "local_layers" else 1)
 
 
 def schedule(pp: int, rows: int, microbatches: int | None) -> Schedule:
@@ -111,20 +138,38 @@ def describe(plan: Schedule | None, model: ModelConfig, rows: int) -> dict[str, 
     """The schedule as the planner records it (`rows`: per fsdp shard and micro-step)."""
     if plan is None:
         return None
-    layout = LayerLayout.of(model)
+    split = Stages.of(LayerLayout.of(model), plan.stages)
     return {"stages": plan.stages, "microbatches": plan.microbatches,
             "rows_per_microbatch": rows // plan.microbatches,
-            "layers_per_stage": layout.num_blocks * (layout.locals_per_block + 1) // plan.stages,
-            "layers_outside_stages": layout.trailing_locals, "bubble": plan.bubble}
+            "layers_per_stage": split.layers_per_stage,
+            "layers_outside_stages": split.layers_after, "bubble": plan.bubble}
 
 
 def line(record: dict[str, Any]) -> str:
     """One line for the start-up log and the planner, from `describe`'s record."""
     return (f"pipeline: {record['stages']} stages of {record['layers_per_stage']} layers (+ "
-            f"{record['layers_outside_stages']} trailing layer(s), the head and the loss spread "
-            f"over the stages), {record['microbatches']} micro-batches of "
+            f"{record['layers_outside_stages']} layer(s) after the stages, the head and the loss "
+            f"spread over the stages), {record['microbatches']} micro-batches of "
             f"{record['rows_per_microbatch']} row(s) per micro-step: bubble (pp-1)/(M+pp-1) = "
             f"{record['bubble']:.1%}; memory figures are one stage's device")
+
+
+def reduced_gradient_bytes(sync: GradientSync, params: Any, dtype: jnp.dtype) -> int:
+    """Per-device bytes one full gradient reduction carries (the planner's yardstick for
+    counting reductions): `fsdp.local_gradient_bytes`, less the other stages' rows of block
+    stacks stored whole over pp when their gradients are reduced in the backward pass (each
+    stage reduces only its own rows and the leftover blocks')."""
+    total = local_gradient_bytes(sync, params, dtype)
+    blocks = jax.tree.leaves(params.get("global_layers", {}))
+    if sync.pp == 1 or not sync.reduces_per_layer or not blocks:
+        return total
+    per_stage, leftover = divmod(blocks[0].shape[0], sync.pp)
+    if not leftover:
+        return total
+    others = 1 - (per_stage + leftover) / blocks[0].shape[0]
+    return total - round(others * sum(
+        local_gradient_bytes(dataclasses.replace(sync, grad_specs=sync.grad_specs[stack]),
+                             params[stack], dtype) for stack in BLOCK_STACKS if stack in params))
 
 
 def gpipe(stage_fn: Callable[[jax.Array, jax.Array], jax.Array], inputs_MxBxLxD: jax.Array,
@@ -163,8 +208,16 @@ def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: dict, plan: Schedule,
     loss sum and token count over one [B, L] micro-batch (summed over pp by the caller)."""
     # The stage's blocks are gathered once (ZeRO-3) for all its iterations, and their
     # gradients reduced once after the pipeline's backward pass.
-    params = {**params, **{stack: model_params.materialize_stack(params[stack])
-                           for stack in BLOCK_STACKS if stack in params}}
+    split = Stages.of(nnx.merge(graphdef, params).layout, plan.stages)
+    stacks = [stack for stack in BLOCK_STACKS if stack in params]
+    if split.leftover:  # stacks stored whole over pp (sharding.resolve_rules)
+        cut = {stack: model_params.stage_rows(params[stack], plan.stages, split.rows(stack))
+               for stack in stacks}
+        after = nnx.merge(graphdef, {**params, **{s: cut[s][1] for s in stacks}})
+        params = {**params, **{s: cut[s][0] for s in stacks}}
+    else:
+        params = {**params, **{s: model_params.materialize_stack(params[s]) for s in stacks}}
+        after = None
     model = nnx.merge(graphdef, params)
     rows, length = batch["inputs"].shape
     positions = batch.get("positions")
@@ -182,8 +235,11 @@ def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: dict, plan: Schedule,
     embedded = _micro_batches(model.embed(batch["inputs"]), plan)
     outputs = gpipe(stage_fn, embedded, plan, model.cfg.unroll_layers)
     hidden = outputs.reshape(-1, length, outputs.shape[-1])
-    hidden = model.tail(hidden, jax.tree.map(lambda t: _stage_share(t, plan), ropes),
-                        None if segments is None else _stage_share(segments, plan))
+    ropes = jax.tree.map(lambda t: _stage_share(t, plan), ropes)
+    segments = None if segments is None else _stage_share(segments, plan)
+    if after is not None:  # the leftover blocks
+        hidden = after.blocks(hidden, ropes, segments)
+    hidden = model.tail(hidden, ropes, segments)
     token_loss = model.embedder.token_losses(hidden, _stage_share(batch["targets"], plan),
                                              vocab_chunks)
     weights = _stage_share(batch["weights"], plan)

@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tunix_train.config import ConfigError, ModelConfig
+from tunix_train.models.gemma3 import LayerLayout
 from tunix_train.parallel.mesh import FSDP, PP, TP
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,10 @@ def resolve_rules(model: ModelConfig, mesh: Mesh) -> dict[str, str | None]:
     rules = {**RULES, **model.sharding_rules}
     if PP not in mesh.shape:
         rules = {name: None if axis == PP else axis for name, axis in rules.items()}
+    elif rules["layers"] == PP and LayerLayout.of(model).num_blocks % mesh.shape[PP]:
+        # Blocks that do not divide into the stages: the stacks are stored whole over pp and
+        # ZeRO splits them over fsdp × pp instead (spread_over_pp, parallel/pipeline.py).
+        rules["layers"] = None
     dims = logical_dims(model)
     for name, axis in rules.items():
         if axis is not None and axis not in mesh.shape:
