@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from helpers import TINY, compiled_run, compose_config, mesh_arg, train_losses
-from tunix_train.parallel import fsdp
+from tunix_train.parallel import collectives, fsdp
 from tunix_train.analysis import hlo
 
 # A model whose gradient dominates memory: wide MLPs, 13 layers, 4 tokens per sequence.
@@ -65,7 +65,7 @@ def _sync_reduce_scatters(module: hlo.Module):
     for name, instructions in module.computations.items():
         for inst in instructions:
             if inst.opcode.startswith("reduce-scatter") and \
-                    fsdp.SYNC_SCOPE in inst.attrs:
+                    collectives.SYNC_SCOPE in inst.attrs:
                 yield name, inst
 
 

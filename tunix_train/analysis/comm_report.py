@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from tunix_train.analysis import hlo
-from tunix_train.parallel.fsdp import SYNC_SCOPE, WIDENED
+from tunix_train.parallel.collectives import SYNC_SCOPE, WIDENED
 from tunix_train.parallel.mesh import FSDP
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute",
@@ -168,7 +168,7 @@ def _payload(inst: hlo.Instruction, kind: str, by_name: dict[str, hlo.Instructio
              module: hlo.Module, group_size: int) -> tuple[str, float]:
     """(dtype carrying most bytes, bytes per device). A value that a CPU backend widened to
     fp32 only to communicate it counts in its own, narrower type: a reduction the program
-    widened itself (named so, see fsdp.py) or that XLA promoted, or data only moved (a
+    widened itself (named so, see collectives.py) or that XLA promoted, or data only moved (a
     gather, an all-to-all) whose operand was widened. A reduction of a widened operand that
     is neither is a genuine fp32 reduction (training.grad_reduce_dtype=fp32)."""
     narrowed = None

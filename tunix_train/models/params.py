@@ -10,7 +10,7 @@ Model code reads parameters in two ways, both right before use:
 
 Outside `hooked(...)` both are what they say. A trainer installs a `ParamHook` to fetch
 parameters just in time: FSDP all-gathers a layer's shards in `materialize`, and its custom VJP
-reduces the layer's gradient where the backward pass produces it (tunix_train/fsdp.py).
+reduces the layer's gradient where the backward pass produces it (parallel/collectives.py).
 
 What a hook materializes is never saved for the backward pass (`never_saving_materialized`):
 like FSDP, a layer is gathered again when the backward pass reaches it, instead of every
@@ -59,7 +59,7 @@ def materialize_stack(state: Any) -> Any:
 def stage_rows(state: Any, stages: int, rows: int) -> tuple[Any, Any]:
     """A pipeline stage's `rows` rows of a layer stack that is not split over the stages by
     rows, materialized at once, and the rows after all `stages` stages' rows, to `materialize`
-    one by one. Only a hook knows which stage this is (parallel/fsdp.py)."""
+    one by one. Only a hook knows which stage this is (parallel/collectives.py)."""
     hook = _hook.get()
     if hook is None:
         raise RuntimeError("pipeline stages exist only inside the train step's shard_map")

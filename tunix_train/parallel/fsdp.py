@@ -2,8 +2,8 @@
 
 The loss and its gradient run in one `shard_map` that is manual over `fsdp` and leaves `tp` to
 XLA's partitioner. Each device computes on its own batch rows, and every parameter reaches the
-model through `fetch` (installed as models/params.py's hook), a custom VJP that spells out
-FSDP's two collectives:
+model through `fetch` (parallel/collectives.py, installed as models/params.py's hook), a
+custom VJP that spells out FSDP's two collectives:
 
     forward    all-gather the parameter's shard over fsdp, in the compute dtype    (ZeRO-3)
     backward   reduce the gradient over fsdp in `training.grad_reduce_dtype`:
@@ -39,7 +39,6 @@ only the sharded fp32 accumulator (4Ψ/N bytes at ZeRO-2/3) across micro-batches
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -49,11 +48,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tunix_train.parallel.mesh import FSDP, PP
 from tunix_train.models import params as model_params
-
-SYNC_SCOPE = "gradient_sync"  # named scope of the reductions; the comm report looks for it
-WIDENED = "cpu_widened_from_"  # + dtype: a 16-bit reduction carried in fp32 on a CPU backend
+from tunix_train.parallel.collectives import SYNC_SCOPE, Fetch, FsdpHook, How, blockwise, reduce_one
+from tunix_train.parallel.mesh import FSDP, PP
 
 
 @dataclass(frozen=True)
@@ -97,254 +94,6 @@ class GradientSync:
         """Whether gradients are reduce-scattered (sharded over fsdp: ZeRO-2, 3)."""
         return any(_fsdp_axis(spec) is not None for spec in jax.tree.leaves(
             self.grad_specs, is_leaf=lambda x: isinstance(x, P)))
-
-
-# ---------------------------------------------------------------------------------------------
-# One parameter inside the shard_map, and its custom VJP.
-
-@dataclass(frozen=True)
-class _How:
-    """What `fetch` does for one parameter (hashable: a static argument of the custom VJP)."""
-
-    gather_axis: int | None  # the axis its shard is cut along (ZeRO-3); None = held whole
-    scatter_axis: int | None  # the reduced gradient's sharded axis; None = all-reduce
-    gather_group: tuple[str, ...]  # the mesh axes that axis is split over: fsdp (and pp)
-    scatter_group: tuple[str, ...]
-    tp_spec: P  # its layout over the other (automatic) mesh axes, e.g. tp: kept explicitly
-    reduce: bool  # False: leave the gradient local and unreduced (sync_every > 1)
-    over_pp: bool  # held by every pipeline stage: its gradient is summed over pp as well
-    compute_dtype: Any  # the shard is cast to it before the gather: bf16 gathers, no bf16 copy
-    reduce_dtype: Any
-    grad_dtype: Any
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["param", "target"],
-                   meta_fields=["how"])
-@dataclass(frozen=True)
-class Fetch:
-    """A parameter as this device holds it, and a stand-in for its gradient: differentiating
-    the loss with respect to `target` (whose value is never read) yields the gradient laid
-    out as `how` says, reduced or not."""
-
-    param: jax.Array
-    target: jax.Array
-    how: _How
-
-
-def _is_fetch(x: Any) -> bool:
-    return isinstance(x, Fetch)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-@model_params.materializer  # never saved for the backward pass: gathered again there
-def _fetch(param: jax.Array, target: jax.Array, how: _How) -> jax.Array:
-    del target
-    param = param.astype(how.compute_dtype)
-    if how.gather_axis is None:
-        return param
-    return _blockwise(lambda p: jax.lax.all_gather(p, how.gather_group, axis=how.gather_axis,
-                                                   tiled=True), how.tp_spec)(param)
-
-
-def _fetch_fwd(param, target, how):
-    return _fetch(param, target, how), None
-
-
-def _fetch_bwd(how: _How, _, grad: jax.Array):
-    if how.reduce:
-        with jax.named_scope(SYNC_SCOPE):
-            grad = _blockwise(lambda g: _reduce_one(g.astype(how.reduce_dtype), how.scatter_axis,
-                                                    how.scatter_group, how.over_pp),
-                              how.tp_spec)(grad)
-    return None, grad.astype(how.grad_dtype)
-
-
-def _blockwise(collective: Callable, tp_spec: P) -> Callable:
-    """`collective` (over fsdp) on this device's block of a value also sharded by `tp_spec`.
-
-    Inside the shard_map only fsdp is manual; XLA would replicate a value over the other axes
-    before a collective on fsdp (a tp-sharded weight gathered whole over tp, its gradient
-    reduced at full width). Making those axes manual for the collective keeps it blockwise.
-    """
-    axes = {axis for axis in tp_spec if axis is not None}
-    if not axes:
-        return collective
-    return jax.shard_map(collective, in_specs=tp_spec, out_specs=tp_spec, axis_names=axes,
-                         check_vma=False)
-
-
-_fetch.defvjp(_fetch_fwd, _fetch_bwd)
-
-
-class FsdpHook:
-    """models/params.py's hook inside the shard_map: `Fetch` leaves → parameters for compute."""
-
-    def materialize(self, state: Any) -> Any:
-        """Parameters for compute; leaves already materialized (`materialize_stack`) pass."""
-        return jax.tree.map(lambda f: _fetch(f.param, f.target, f.how) if _is_fetch(f) else f,
-                            state, is_leaf=_is_fetch)
-
-    def materialize_stack(self, state: Any) -> Any:
-        """A stack of layers materialized whole (axes count from the stack, not one layer)."""
-        return jax.tree.map(lambda f: _fetch(f.param, f.target, _stack_how(f.how)), state,
-                            is_leaf=_is_fetch)
-
-    def stage_rows(self, state: Any, stages: int, rows: int) -> tuple[Any, Any]:
-        """A stack not split over pp by rows (its blocks do not divide into the stages): this
-        pipeline stage's `rows` rows materialized at once, and the rows after every stage's
-        (from `stages` × `rows` on), still to be materialized one by one."""
-        mine = jax.tree.map(
-            lambda f: _fetch_stage(f.param, f.target, _stack_how(f.how), stages, rows,
-                                   f.param.shape[0]), state,
-            is_leaf=_is_fetch)
-        rest = jax.tree.map(lambda f: Fetch(f.param[stages * rows:], f.target[stages * rows:],
-                                            f.how), state, is_leaf=_is_fetch)
-        return mine, rest
-
-    def take(self, table: Fetch, ids: jax.Array) -> jax.Array:
-        rows_TxD = _take(table.param, table.target, ids.reshape(-1), table.how,
-                         table.target.shape[0])
-        return rows_TxD.reshape(*ids.shape, rows_TxD.shape[-1])
-
-
-def _stack_how(how: _How) -> _How:
-    """`how` for a whole stack of layers: axes count from the stack, not one layer."""
-    return dataclasses.replace(
-        how, tp_spec=P(None, *how.tp_spec),
-        **{axis: None if getattr(how, axis) is None else getattr(how, axis) + 1
-           for axis in ("gather_axis", "scatter_axis")})
-
-
-# One pipeline stage's rows of a stack stored whole over pp (not split by rows): ZeRO-3 splits
-# it over fsdp × pp along another axis, so an all-to-all over pp brings this stage's rows the
-# other stages' columns (then gathered over fsdp), and its transpose sends each stage's
-# gradient columns home; below ZeRO-3 a stage takes its rows from its own copy, and the
-# reduced gradient rows of all stages are gathered over pp.
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _fetch_stage(param: jax.Array, target: jax.Array, how: _How, stages: int, rows: int,
-                 total: int) -> jax.Array:
-    del target, total
-
-    def gather(p):
-        if PP in how.gather_group:  # column blocks in fsdp-major order: (f, stage)
-            p = jax.lax.all_to_all(p.reshape(stages, rows, *p.shape[1:]), PP, split_axis=0,
-                                   concat_axis=how.gather_axis + 1, tiled=True)[0]
-        else:
-            p = jax.lax.dynamic_slice_in_dim(p, jax.lax.axis_index(PP) * rows, rows)
-        if how.gather_axis is not None:
-            p = jax.lax.all_gather(p, FSDP, axis=how.gather_axis, tiled=True)
-        return p
-
-    return _blockwise(gather, how.tp_spec)(param[:stages * rows].astype(how.compute_dtype))
-
-
-def _fetch_stage_fwd(param, target, how, stages, rows, total):
-    return _fetch_stage(param, target, how, stages, rows, total), None
-
-
-def _fetch_stage_bwd(how: _How, stages: int, rows: int, total: int, _, grad: jax.Array):
-    def reduce(g):
-        if how.scatter_axis is None:
-            g = jax.lax.psum(g, FSDP)
-        else:
-            g = jax.lax.psum_scatter(g, FSDP, scatter_dimension=how.scatter_axis, tiled=True)
-            if PP in how.scatter_group:
-                g = jax.lax.all_to_all(g[None], PP, split_axis=how.scatter_axis + 1,
-                                       concat_axis=0, tiled=True)
-                return g.reshape(stages * rows, *g.shape[2:])
-        return jax.lax.all_gather(g, PP, axis=0, tiled=True)  # every stage's rows, in order
-
-    if how.reduce:
-        with jax.named_scope(SYNC_SCOPE):
-            grad = _blockwise(cpu_safe_reduction(reduce), how.tp_spec)(
-                grad.astype(how.reduce_dtype))
-    else:  # local and unreduced: this stage's rows in place, the others' zero
-        grad = jax.lax.dynamic_update_slice_in_dim(
-            jnp.zeros((stages * rows, *grad.shape[1:]), grad.dtype), grad,
-            jax.lax.axis_index(PP) * rows, 0)
-    after = jnp.zeros((total - stages * rows, *grad.shape[1:]), grad.dtype)  # not the stages'
-    return None, jnp.concatenate([grad, after]).astype(how.grad_dtype)
-
-
-_fetch_stage.defvjp(_fetch_stage_fwd, _fetch_stage_bwd)
-
-
-# The embedding lookup. A [V, D] gradient of a few hundred looked-up rows would be almost all
-# zeros, and reducing it over fsdp would move the whole table: instead, rows and their
-# gradients travel between devices (all-to-all), a few megabytes, and each device adds the
-# gradient rows into its own shard. Tables are sharded over fsdp (and pp: sharding.
-# spread_over_pp) along D (axis 1), if at all; on a pipeline mesh every stage looks up the same
-# rows, and only the first stage's lookup has a gradient.
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _take(param: jax.Array, target: jax.Array, ids_T: jax.Array, how: _How,
-          vocab: int) -> jax.Array:
-    del target, vocab
-    param = param.astype(how.compute_dtype)
-    if how.gather_axis is None:  # the table is whole here
-        return jnp.take(param, ids_T, axis=0)
-    # Every device looks up every device's ids in its own columns; all-to-all sends each
-    # device's rows home, the columns concatenated in the group's order.
-    group = how.gather_group
-    rows_NxTxd = jnp.take(param, jax.lax.all_gather(ids_T, group), axis=0)
-    return jax.lax.all_to_all(rows_NxTxd, group, split_axis=0, concat_axis=2, tiled=True)[0]
-
-
-def _take_fwd(param, target, ids_T, how, vocab):
-    return _take(param, target, ids_T, how, vocab), ids_T
-
-
-def _take_bwd(how: _How, vocab: int, ids_T: jax.Array, grad_TxD: jax.Array):
-    rows, ids = grad_TxD, ids_T  # unreduced (sync_every > 1): this device's own rows
-    if how.reduce:  # every device's gradient rows, in all columns or in this device's own
-        group = how.scatter_group or (FSDP,)
-        ids = jax.lax.all_gather(ids_T, group, tiled=True)
-        with jax.named_scope(SYNC_SCOPE):
-            rows = grad_TxD.astype(how.reduce_dtype)
-            if how.over_pp:  # the rows of every pipeline stage's lookup (only the first's count)
-                rows = cpu_safe_reduction(lambda r: jax.lax.psum(r, PP))(rows)
-            if how.scatter_axis is None:
-                rows = jax.lax.all_gather(rows, group, tiled=True)
-            else:
-                rows = jax.lax.all_to_all(rows[None], group, split_axis=2, concat_axis=0,
-                                          tiled=True).reshape(ids.shape[0], -1)
-    grad = jax.ops.segment_sum(rows.astype(jnp.float32), ids, num_segments=vocab)
-    return None, grad.astype(how.grad_dtype), None
-
-
-_take.defvjp(_take_fwd, _take_bwd)
-
-
-def _reduce_one(grad: jax.Array, scatter_axis: int | None, scatter_group: tuple[str, ...],
-                over_pp: bool = False) -> jax.Array:
-    """The sum over fsdp, scattered along `scatter_axis` over `scatter_group` (fsdp, or fsdp
-    and pp) if there is one, and a sum over pp too if asked."""
-    def reduce(grad):
-        if scatter_axis is None:
-            grad = jax.lax.psum(grad, FSDP)
-        else:
-            grad = jax.lax.psum_scatter(grad, scatter_group, scatter_dimension=scatter_axis,
-                                        tiled=True)
-        return jax.lax.psum(grad, PP) if over_pp else grad
-
-    return cpu_safe_reduction(reduce)(grad)
-
-
-def cpu_safe_reduction(reduce: Callable[[jax.Array], jax.Array]) -> Callable:
-    """`reduce` (a sum over mesh axes), carried in fp32 on a CPU backend.
-
-    CPU backends reduce 16-bit floats in fp32 anyway (XLA's AllReducePromotion), and that pass
-    aborts on the reductions Shardy emits inside nested loops (XLA 0.10): widening here gives
-    the same program, named so that the communication report counts the narrow dtype."""
-    def widened(x: jax.Array) -> jax.Array:
-        dtype = jnp.dtype(x.dtype)
-        if jax.default_backend() != "cpu" or dtype == jnp.float32:
-            return reduce(x)
-        with jax.named_scope(WIDENED + dtype.name):
-            return reduce(x.astype(jnp.float32)).astype(dtype)
-
-    return widened
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,13 +145,13 @@ def _local_shape(shape: tuple[int, ...], spec: P, mesh: Mesh, reduced: bool) -> 
 
 
 def _hows(sync: GradientSync, params: Any) -> Any:
-    """A `_How` per parameter; axes of stacked layers count from one layer's slice."""
+    """A `How` per parameter; axes of stacked layers count from one layer's slice."""
     reduce = sync.reduces_per_layer
 
     def how(p, param_spec, grad_spec, stacked):
         shift = 1 if stacked else 0
         gather, scatter = _fsdp_axis(param_spec), _fsdp_axis(grad_spec)
-        return _How(None if gather is None else gather - shift,
+        return How(None if gather is None else gather - shift,
                     None if scatter is None else scatter - shift,
                     _fsdp_group(param_spec), _fsdp_group(grad_spec),
                     _without_fsdp(param_spec, shift), reduce,
@@ -454,7 +203,7 @@ def _reduce_all(sync: GradientSync, grads: Any) -> Any:
     parameters every stage holds (embedding, final norm, trailing layers) have a share of their
     gradient on each stage: those shares are summed over pp too."""
     def reduce(grad, spec):
-        return _blockwise(lambda g: _reduce_one(g.astype(sync.reduce_dtype), _fsdp_axis(spec),
+        return blockwise(lambda g: reduce_one(g.astype(sync.reduce_dtype), _fsdp_axis(spec),
                                                 _fsdp_group(spec), _summed_over_pp(sync, spec)),
                           _without_fsdp(spec))(grad).astype(jnp.float32)
 

@@ -2,7 +2,11 @@
 
 On a mesh with a `pp` axis the block stacks (models/gemma3.py: the [locals..., global] blocks)
 are sharded over `pp` along their layer axis, so stage s holds blocks s·n/pp … (s+1)·n/pp - 1
-and every device of a stage runs the same program on its own slice. Each micro-batch of a
+and every device of a stage runs the same program on its own slice. Where pp does not divide
+the n blocks (gemma3_4b: 5), each stage runs ⌊n/pp⌋ and the n mod pp left over run after the
+stages, with the trailing layers (`Stages`); the stacks, which JAX cannot split unevenly, are
+then stored whole over pp and split over fsdp × pp by ZeRO, and a stage's rows reach it by an
+all-to-all over pp (collectives.FsdpHook.stage_rows). Each micro-batch of a
 device's rows is cut into M pipeline micro-batches (`training.pipeline_microbatches`), and a
 scan of M + pp - 1 iterations moves them through the stages:
 
@@ -24,7 +28,7 @@ is used. The output head and the loss are the largest single cost after the bloc
 ~30% of the FLOPs), and so are the trailing locals: the last stage's outputs are spread over
 the stages (a reduce-scatter over pp) and each stage computes the trailing layers, the head and
 the loss of M / pp micro-batches. Everything outside the blocks is therefore used by every
-stage, and its gradient is summed over pp (parallel/fsdp.py); it is stored as ZeRO says over
+stage, and its gradient is summed over pp (parallel/collectives.py); it is stored as ZeRO says over
 all the devices that use it, fsdp × pp (sharding.spread_over_pp), so that per-device bytes of
 parameters (ZeRO-3), gradients (2) and optimizer state (1) halve from pp=1 to pp=2.
 """
@@ -45,7 +49,8 @@ from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.models import params as model_params
 from tunix_train.models.gemma3 import LayerLayout
 from tunix_train.models.head import VocabChunks
-from tunix_train.parallel.fsdp import GradientSync, cpu_safe_reduction, local_gradient_bytes
+from tunix_train.parallel.collectives import cpu_safe_reduction
+from tunix_train.parallel.fsdp import GradientSync, local_gradient_bytes
 from tunix_train.parallel.mesh import PP
 
 log = logging.getLogger(__name__)
