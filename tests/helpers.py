@@ -7,11 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from tunix_train.config import Config, register_configs
+from tunix_train import checkpoint
+from tunix_train import config as config_lib
+from tunix_train.checkpoint import Checkpoints
+from tunix_train.config import CheckpointConfig, Config, register_configs
 from tunix_train.training.setup import Setup
 
 REPO = Path(__file__).resolve().parent.parent
@@ -98,3 +102,18 @@ PP_MESHES = {"2x2x2": [[2, 2, 2], ["pp", "fsdp", "tp"]], "4x1x2": [[4, 1, 2], ["
 def mesh_of(shape) -> str:
     sizes, names = shape
     return f"model.mesh_shape=[{sizes},[{','.join(f'{n!r}' for n in names)}]]".replace("'", '"')
+
+
+def assert_restores_onto(run, other, tmp_path) -> None:
+    """`run`'s (compiled_run's) final state saved, then restored onto `other` (a Setup on
+    another mesh): every array equal, in `other`'s shardings."""
+    setup, _, _, state = run
+    checkpoints = Checkpoints(tmp_path, CheckpointConfig(async_save=False))
+    checkpoints.save(int(state["step"]), state, {}, config_lib.to_dict(setup.cfg))
+    checkpoints.close()
+    restored = checkpoint.restore(tmp_path, other.state.with_shardings(),
+                                  config_lib.to_dict(other.cfg)).state
+    for got, want, sharding in zip(jax.tree.leaves(restored), jax.tree.leaves(state),
+                                   jax.tree.leaves(other.state.shardings)):
+        assert got.sharding == sharding
+        np.testing.assert_array_equal(jax.device_get(got), jax.device_get(want))

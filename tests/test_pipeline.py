@@ -6,12 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import (PP_MESHES, TINY, compiled_run, compose_config, mesh_arg, mesh_of,
-                     train_losses)
-from tunix_train import checkpoint
+from helpers import (PP_MESHES, TINY, assert_restores_onto, compiled_run, compose_config,
+                     mesh_arg, mesh_of, train_losses)
 from tunix_train import config as config_lib
-from tunix_train.checkpoint import Checkpoints
-from tunix_train.config import CheckpointConfig, ConfigError
+from tunix_train.config import ConfigError
 from tunix_train.models.gemma3 import LayerLayout
 from tunix_train.parallel import pipeline
 from tunix_train.training.setup import Setup
@@ -100,17 +98,7 @@ def test_the_planner_shows_the_stage_memory_bubble_and_permutes(runs):
 
 @pytest.mark.parametrize("source,target", [("2x2x2", "none"), ("none", "4x1x2")])
 def test_a_checkpoint_restores_across_pp_and_no_pp(runs, tmp_path, source, target):
-    setup, _, _, state = runs[source]
-    checkpoints = Checkpoints(tmp_path, CheckpointConfig(async_save=False))
-    checkpoints.save(STEPS, state, {}, config_lib.to_dict(setup.cfg))
-    checkpoints.close()
-    other = runs[target][0]
-    restored = checkpoint.restore(tmp_path, other.state.with_shardings(),
-                                  config_lib.to_dict(other.cfg)).state
-    for got, want, sharding in zip(jax.tree.leaves(restored), jax.tree.leaves(state),
-                                   jax.tree.leaves(other.state.shardings)):
-        assert got.sharding == sharding
-        np.testing.assert_array_equal(jax.device_get(got), jax.device_get(want))
+    assert_restores_onto(runs[source], runs[target][0], tmp_path)
 
 
 def test_stages_of_whole_blocks_and_what_a_layer_count_gives():

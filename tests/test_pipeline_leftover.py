@@ -7,11 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import PP_MESHES, TINY, compiled_run, compose_config, mesh_arg, mesh_of, train_losses
-from tunix_train import checkpoint
-from tunix_train import config as config_lib
-from tunix_train.checkpoint import Checkpoints
-from tunix_train.config import CheckpointConfig
+from helpers import (PP_MESHES, TINY, assert_restores_onto, compiled_run, compose_config,
+                     mesh_arg, mesh_of, train_losses)
 from tunix_train.models.gemma3 import LayerLayout
 from tunix_train.parallel import pipeline
 
@@ -71,12 +68,4 @@ def test_left_over_blocks_keep_the_stacks_whole_over_pp_and_zero_splits_them(une
 
 @pytest.mark.parametrize("source,target", [("2x2x2", "none"), ("none", "4x1x2")])
 def test_left_over_blocks_restore_across_pp_and_no_pp(uneven, tmp_path, source, target):
-    setup, _, _, state = uneven[source]
-    checkpoints = Checkpoints(tmp_path, CheckpointConfig(async_save=False))
-    checkpoints.save(STEPS, state, {}, config_lib.to_dict(setup.cfg))
-    checkpoints.close()
-    other = uneven[target][0]
-    restored = checkpoint.restore(tmp_path, other.state.with_shardings(),
-                                  config_lib.to_dict(other.cfg)).state
-    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
-        np.testing.assert_array_equal(jax.device_get(got), jax.device_get(want))
+    assert_restores_onto(uneven[source], uneven[target][0], tmp_path)
