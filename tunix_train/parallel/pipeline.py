@@ -84,11 +84,12 @@ def check_layers(model: ModelConfig, pp: int) -> None:
         return
     layout = LayerLayout.of(model)
     if layout.num_blocks < pp:
+        fix = (f"use a pp of at most {layout.num_blocks} or no pp axis"
+               if layout.num_blocks > 1 else "use no pp axis")
         raise ConfigError(
-            f"model.num_layers={model.num_layers} has {layout.num_blocks} blocks of "
+            f"model.num_layers={model.num_layers} has {layout.num_blocks} block(s) of "
             f"model.global_every={model.global_every} layers, too few for pp={pp} pipeline "
-            f"stages of at least one block each; use a pp of at most {layout.num_blocks} or "
-            f"no pp axis.")
+            f"stages of at least one block each; {fix}.")
 
 
 @dataclass(frozen=True)
