@@ -10,6 +10,7 @@ from helpers import TINY, compiled_run, compose_config, mesh_arg
 from tunix_train.analysis import comm_report
 from tunix_train.analysis import hlo
 from tunix_train.parallel import mesh as mesh_lib
+from tunix_train.parallel.collectives import cpu_safe_reduction
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +54,23 @@ def test_collectives_inside_loops_count_once_per_trip():
     assert report.total(kind="all-reduce", axis="fsdp") == (5, 5 * 64 * 32 * 4)
     [scatter] = [c for c in report.collectives if c.kind == "reduce-scatter"]
     assert (scatter.dtype, scatter.count, scatter.bytes) == ("bf16", 1, 64 * 32 * 2)
+
+
+def test_a_widened_reduction_under_autodiff_counts_in_its_own_dtype():
+    """A CPU backend carries a bf16 reduction in fp32 (collectives.cpu_safe_reduction names
+    it so); under jax.grad, as the pipeline's reduce-scatter over pp runs, the name reads
+    `jvp(cpu_widened_from_bfloat16)` in the op name."""
+    mesh = mesh_lib.create_mesh(mesh_lib.parse([[8, 1], ["fsdp", "tp"]], 8))
+    scatter = cpu_safe_reduction(lambda v: jax.lax.psum_scatter(v, "fsdp", tiled=True))
+
+    def loss(x):
+        return jnp.sum(scatter(x.astype(jnp.bfloat16)).astype(jnp.float32) ** 2)
+
+    fn = jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=P("fsdp"), out_specs=P("fsdp"))
+    x = jax.ShapeDtypeStruct((8 * 64, 32), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+    report = comm_report.from_hlo(hlo.parse(jax.jit(fn).lower(x).compile().as_text()), mesh)
+    [scattered] = [c for c in report.collectives if c.kind == "reduce-scatter"]
+    assert (scattered.dtype, scattered.bytes) == ("bf16", 64 * 32 * 2)
 
 
 @pytest.fixture(scope="module")

@@ -173,7 +173,8 @@ def _payload(inst: hlo.Instruction, kind: str, by_name: dict[str, hlo.Instructio
     is neither is a genuine fp32 reduction (training.grad_reduce_dtype=fp32)."""
     narrowed = None
     promoted = re.search(r"to_apply=%[\w.\-]*_promoted", inst.attrs) is not None
-    if (named := re.search(WIDENED + r"(\w+)/", inst.attrs)) is not None:
+    # The scope ends in "/" or, under autodiff, in ")": jvp(cpu_widened_from_bfloat16).
+    if (named := re.search(WIDENED + r"(\w+)[/)]", inst.attrs)) is not None:
         narrowed = {"bfloat16": "bf16", "float16": "f16"}.get(named.group(1))
     elif promoted:
         narrowed = _narrowed_dtype(inst, hlo.users(by_name))
