@@ -212,19 +212,7 @@ def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: dict, plan: Schedule,
               vocab_chunks: VocabChunks = VocabChunks()) -> tuple[jax.Array, dict]:
     """training/train_step.py's `loss_sums` on one pipeline stage: this stage's share of the
     loss sum and token count over one [B, L] micro-batch (summed over pp by the caller)."""
-    # The stage's blocks are gathered once (ZeRO-3) for all its iterations, and their
-    # gradients reduced once after the pipeline's backward pass.
-    split = Stages.of(nnx.merge(graphdef, params).layout, plan.stages)
-    stacks = [stack for stack in BLOCK_STACKS if stack in params]
-    if split.leftover:  # stacks stored whole over pp (sharding.resolve_rules)
-        cut = {stack: model_params.stage_rows(params[stack], plan.stages, split.rows(stack))
-               for stack in stacks}
-        after = nnx.merge(graphdef, {**params, **{s: cut[s][1] for s in stacks}})
-        params = {**params, **{s: cut[s][0] for s in stacks}}
-    else:
-        params = {**params, **{s: model_params.materialize_stack(params[s]) for s in stacks}}
-        after = None
-    model = nnx.merge(graphdef, params)
+    model, after = _stage_models(graphdef, params, plan)
     rows, length = batch["inputs"].shape
     positions = batch.get("positions")
     if positions is None:
@@ -250,6 +238,22 @@ def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: dict, plan: Schedule,
                                              vocab_chunks)
     weights = _stage_share(batch["weights"], plan)
     return jnp.sum(token_loss * weights), {"tokens": jnp.sum(weights)}
+
+
+def _stage_models(graphdef: nnx.GraphDef, params: Any,
+                  plan: Schedule) -> tuple[nnx.Module, nnx.Module | None]:
+    """The model with this stage's blocks, materialized once for all its iterations (ZeRO-3:
+    gathered once, their gradients reduced once after the pipeline's backward pass), and the
+    model with the leftover blocks that run after the stages (None when there are none)."""
+    split = Stages.of(nnx.merge(graphdef, params).layout, plan.stages)
+    stacks = [stack for stack in BLOCK_STACKS if stack in params]
+    if not split.leftover:
+        stage = {s: model_params.materialize_stack(params[s]) for s in stacks}
+        return nnx.merge(graphdef, {**params, **stage}), None
+    # The stacks are stored whole over pp (sharding.resolve_rules).
+    cut = {s: model_params.stage_rows(params[s], plan.stages, split.rows(s)) for s in stacks}
+    return (nnx.merge(graphdef, {**params, **{s: cut[s][0] for s in stacks}}),
+            nnx.merge(graphdef, {**params, **{s: cut[s][1] for s in stacks}}))
 
 
 def _micro_batches(x: jax.Array, plan: Schedule) -> jax.Array:
