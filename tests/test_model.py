@@ -1,11 +1,16 @@
+import contextlib
+import io
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.ad_checkpoint import print_saved_residuals
 
 from helpers import TINY, compose_config, mesh_arg, train_losses
-from tunix_train.models.gemma3 import Gemma3, LayerLayout, count_params
+from tunix_train.models.gemma3 import REMAT_POLICIES, Gemma3, LayerLayout, count_params
+from tunix_train.models.layers import project
 from tunix_train.training.train_step import loss_sums
 
 
@@ -115,3 +120,62 @@ def test_unroll_layers_decides_whether_the_forward_pass_loops(unroll):
     # One loop is always there: the one that builds both kinds' RoPE tables (Gemma3.rope).
     loops = text.count("stablehlo.while")
     assert loops == 1 if unroll else loops > 1
+
+
+@pytest.mark.parametrize("x_shape,w_shape,contract", [
+    ((2, 6, 8), (8, 24), 1),      # widening (gate, up): x transposed by hand
+    ((2, 6, 24), (24, 8), 1),     # narrowing (down): dy transposed by hand
+    ((2, 6, 8), (8, 3, 4), 1),    # into heads (q, k, v)
+    ((2, 6, 3, 4), (3, 4, 8), 2),  # out of heads (o)
+])
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 2e-2)])
+def test_project_and_its_gradients_equal_the_plain_contraction(x_shape, w_shape, contract,
+                                                               dtype, tol):
+    kx, kw, kd = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, x_shape, dtype)
+    w = jax.random.normal(kw, w_shape, dtype)
+    out_shape = x_shape[:len(x_shape) - contract] + w_shape[contract:]
+    dy = jax.random.normal(kd, out_shape, dtype)
+
+    def vjp(f):
+        y, pullback = jax.vjp(f, x, w)
+        return (y, *pullback(dy))
+
+    ours = jax.jit(lambda: vjp(lambda x, w: project(x, w, contract)))()
+    plain = jax.jit(lambda: vjp(lambda x, w: jnp.tensordot(x, w, axes=contract)))()
+    for a, b in zip(ours, plain):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=tol, atol=tol)
+
+
+def test_project_keeps_cpu_from_transposing_the_wide_gradient():
+    # XLA's CPU backend lays one operand of a weight-gradient GEMM out transposed. In an MLP
+    # (x [T, D] widened to [T, F], narrowed back) the plain contraction transposes the wide
+    # dy [T, F] (fused into its elementwise producer: strided writes); `project` transposes
+    # the narrow operand of each GEMM instead, so no [F, T] array exists.
+    B, L, D, F = 4, 128, 32, 128
+    x, w = jnp.ones((B, L, D)), jnp.ones((D, F))
+
+    def has_wide_transpose(f):
+        loss = lambda x, w: jnp.sum(f(jnp.tanh(f(x, w)), w.T) ** 2)  # noqa: E731
+        hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text()
+        return f"f32[{F},{B * L}]" in hlo
+
+    assert has_wide_transpose(lambda x, w: jnp.tensordot(x, w, axes=1))
+    assert not has_wide_transpose(project)
+
+
+def test_save_dots_keeps_projections_and_full_keeps_none():
+    # On CPU a projection is a custom VJP (no dot for the policy to see): its name keeps it.
+    x, w = jnp.ones((2, 6, 8)), jnp.ones((8, 16))
+
+    def kept(remat):
+        f = jax.checkpoint(lambda x, w: jnp.tanh(project(x, w)), policy=REMAT_POLICIES[remat])
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            print_saved_residuals(f, x, w)
+        return out.getvalue()
+
+    assert "named 'projection'" in kept("save_dots")
+    assert "named 'projection'" not in kept("full")

@@ -23,7 +23,7 @@ from flax import nnx
 from tunix_train.config import ModelConfig
 from tunix_train.models import kv_cache
 from tunix_train.models.head import VocabChunks
-from tunix_train.models.layers import DecoderLayer, Embedder, RMSNorm, rope_tables
+from tunix_train.models.layers import PROJECTION, DecoderLayer, Embedder, RMSNorm, rope_tables
 from tunix_train.models.params import materialize, never_saving_materialized
 from tunix_train.models.partitioning import constrain
 
@@ -32,7 +32,11 @@ from tunix_train.models.partitioning import constrain
 REMAT_POLICIES = {name: never_saving_materialized(policy) for name, policy in {
     "none": jax.checkpoint_policies.everything_saveable,
     "full": jax.checkpoint_policies.nothing_saveable,
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # Matmuls without batch dimensions: the projections (layers.project, named because on CPU
+    # a custom VJP hides their dot from the policy) and the output head; attention recomputed.
+    "save_dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(PROJECTION)),
 }.items()}
 
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from tunix_train.config import ModelConfig
 from tunix_train.models import head, kv_cache
@@ -19,6 +21,8 @@ from tunix_train.models.params import materialize, take
 from tunix_train.models.partitioning import constrain
 
 log = logging.getLogger("tunix_train")
+
+PROJECTION = "projection"  # name of a projection's output, for recomputation policies
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int) -> jax.Array:
@@ -31,6 +35,48 @@ def _param(value: jax.Array, *logical_axes: str) -> nnx.Param:
     # Shardings are applied by jit's out_shardings (see state.py), so a model can also be built
     # with no mesh at all (tests, the planner's eval_shape).
     return nnx.Param(value, out_sharding=logical_axes, eager_sharding=False)
+
+
+def project(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
+    """x [..., *K] · w [*K, *N] → [..., *N], contracting x's last `contract` axes with w's first.
+
+    On CPU the weight gradient xᵀ · dy contracts the token axis, the major axis of both, and
+    XLA's CPU backend lays one operand out transposed for its GEMM: left to itself it picks dy,
+    and fuses that transpose into dy's elementwise producer (GeGLU's backward), whose strided
+    writes cost more than the matmuls (221 of 760 ms of bench/peer_step.py's 4-layer step).
+    `_project_cpu` transposes the smaller of x and dy itself, behind a barrier XLA cannot fold.
+    Elsewhere the plain contraction: cuBLAS takes transposed operands as they are.
+    """
+    if jax.default_backend() == "cpu":
+        y = _project_cpu(x, w, contract)
+    else:
+        y = jnp.tensordot(x, w, axes=contract)
+    return checkpoint_name(y, PROJECTION)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _project_cpu(x, w, contract):
+    return jnp.tensordot(x, w, axes=contract)
+
+
+def _project_cpu_fwd(x, w, contract):
+    return jnp.tensordot(x, w, axes=contract), (x, w)
+
+
+def _project_cpu_bwd(contract, residuals, dy):
+    x, w = residuals
+    k = math.prod(w.shape[:contract])
+    x_TxK, w_KxN = x.reshape(-1, k), w.reshape(k, -1)
+    dy_TxN = dy.reshape(x_TxK.shape[0], -1)
+    dx = (dy_TxN @ w_KxN.T.astype(dy.dtype)).reshape(x.shape).astype(x.dtype)
+    if k <= dy_TxN.shape[1]:
+        dw_KxN = jax.lax.optimization_barrier(x_TxK.T) @ dy_TxN.astype(x.dtype)
+    else:
+        dw_KxN = (jax.lax.optimization_barrier(dy_TxN.T) @ x_TxK.astype(dy.dtype)).T
+    return dx, dw_KxN.reshape(w.shape).astype(w.dtype)
+
+
+_project_cpu.defvjp(_project_cpu_fwd, _project_cpu_bwd)
 
 
 class RMSNorm(nnx.Module):
@@ -132,9 +178,9 @@ class Attention(nnx.Module):
 
     def _project(self, x_BxLxD, cos_sin):
         """Queries, keys and values, normalised per head and rotated."""
-        q_BxLxNxH = jnp.einsum("bld,dnh->blnh", x_BxLxD, self.q[...])
-        k_BxLxKxH = jnp.einsum("bld,dkh->blkh", x_BxLxD, self.k[...])
-        v_BxLxKxH = jnp.einsum("bld,dkh->blkh", x_BxLxD, self.v[...])
+        q_BxLxNxH = project(x_BxLxD, self.q[...])
+        k_BxLxKxH = project(x_BxLxD, self.k[...])
+        v_BxLxKxH = project(x_BxLxD, self.v[...])
         q_BxLxNxH = constrain(q_BxLxNxH, ("act_batch", "act_seq", "act_q_heads", None))
         k_BxLxKxH = constrain(k_BxLxKxH, ("act_batch", "act_seq", "act_kv_heads", None))
         v_BxLxKxH = constrain(v_BxLxKxH, ("act_batch", "act_seq", "act_kv_heads", None))
@@ -175,7 +221,7 @@ class Attention(nnx.Module):
 
     def _output(self, out_BxLxNxH: jax.Array) -> jax.Array:
         out_BxLxNxH = constrain(out_BxLxNxH, ("act_batch", "act_seq", "act_q_heads", None))
-        return jnp.einsum("blnh,nhd->bld", out_BxLxNxH, self.o[...])
+        return project(out_BxLxNxH, self.o[...], contract=2)
 
 
 def _why_not_cudnn(implementation: str, dtype) -> str | None:
@@ -218,11 +264,11 @@ class MLP(nnx.Module):
         self.down = _param(_normal(rngs, (F, D), F), "mlp", "embed")
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        gate_BxLxF = jnp.einsum("bld,df->blf", x_BxLxD, self.gate[...])
-        up_BxLxF = jnp.einsum("bld,df->blf", x_BxLxD, self.up[...])
+        gate_BxLxF = project(x_BxLxD, self.gate[...])
+        up_BxLxF = project(x_BxLxD, self.up[...])
         h_BxLxF = jax.nn.gelu(gate_BxLxF, approximate=True) * up_BxLxF
         h_BxLxF = constrain(h_BxLxF, ("act_batch", "act_seq", "act_mlp"))
-        return jnp.einsum("blf,fd->bld", h_BxLxF, self.down[...])
+        return project(h_BxLxF, self.down[...])
 
 
 class DecoderLayer(nnx.Module):
