@@ -10,7 +10,7 @@ from jax.ad_checkpoint import print_saved_residuals
 
 from helpers import TINY, compose_config, mesh_arg, train_losses
 from tunix_train.models.gemma3 import REMAT_POLICIES, Gemma3, LayerLayout, count_params
-from tunix_train.models.layers import geglu, project
+from tunix_train.models.layers import geglu, project, rms_norm
 from tunix_train.training.train_step import loss_sums
 
 
@@ -166,21 +166,32 @@ def test_project_keeps_cpu_from_transposing_the_wide_gradient():
     assert not has_wide_transpose(project)
 
 
-def test_geglu_gradients_equal_autodiff_and_keep_only_its_inputs():
-    kg, ku, kd = jax.random.split(jax.random.key(1), 3)
-    gate, up, dh = (jax.random.normal(k, (2, 6, 16)) * 3 for k in (kg, ku, kd))
-    plain = lambda g, u: jax.nn.gelu(g, approximate=True) * u  # noqa: E731
-    for a, b in zip(jax.vjp(geglu, gate, up)[1](dh), jax.vjp(plain, gate, up)[1](dh)):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
-    # What the backward pass keeps: [2, 6, 16] arrays (a scanned layer stacks each one).
+def _plain_rms_norm(x, scale, eps):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
+
+
+@pytest.mark.parametrize("ours,plain,shapes", [
+    (geglu, lambda g, u: jax.nn.gelu(g, approximate=True) * u, [(2, 6, 16), (2, 6, 16)]),
+    (rms_norm, _plain_rms_norm, [(2, 6, 16), (16,), ()]),
+], ids=["geglu", "rms_norm"])
+def test_elementwise_gradients_equal_autodiff_and_keep_only_inputs(ours, plain, shapes):
+    keys = jax.random.split(jax.random.key(1), len(shapes) + 1)
+    inputs = [jax.random.normal(k, s) * 3 for k, s in zip(keys, shapes)]
+    inputs[2:] = [jnp.float32(1e-6)] * len(inputs[2:])  # rms_norm's eps
+    d_out = jax.random.normal(keys[-1], (2, 6, 16))
+    for a, b in zip(jax.vjp(ours, *inputs)[1](d_out), jax.vjp(plain, *inputs)[1](d_out)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+    # What the backward pass keeps of [2, 6, 16] arrays (a scanned layer stacks each one).
     def kept(f):
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            print_saved_residuals(f, gate, up)
+            print_saved_residuals(f, *inputs)
         return [line for line in out.getvalue().splitlines() if line.startswith("f32[2,6,16]")]
 
-    assert len(kept(plain)) >= 5
-    assert len(kept(geglu)) == 2
+    assert len(kept(ours)) == sum(s == (2, 6, 16) for s in shapes) < len(kept(plain))
 
 
 def test_save_dots_keeps_projections_and_full_keeps_none():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +80,34 @@ def _project_cpu_bwd(contract, residuals, dy):
 _project_cpu.defvjp(_project_cpu_fwd, _project_cpu_bwd)
 
 
+def keeping_inputs(fn: Callable) -> Callable:
+    """`fn` (elementwise or a norm) whose backward pass keeps only its inputs and recomputes the
+    rest (fused into the gradient's own elementwise pass).
+
+    Differentiated as written, a chain of elementwise operations leaves each intermediate for
+    the backward pass, and a scanned layer stacks every one of them per layer: the tanh GELU
+    alone leaves six [B, L, F] arrays (x³, tanh, 1 − tanh², products), an RMSNorm four.
+    """
+    kept = jax.custom_vjp(fn)
+    kept.defvjp(lambda *inputs: (fn(*inputs), inputs),
+                lambda inputs, grad: jax.vjp(fn, *inputs)[1](grad))
+    return functools.wraps(fn)(kept)
+
+
+@keeping_inputs
+def geglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """gelu_tanh(gate) · up."""
+    return jax.nn.gelu(gate, approximate=True) * up
+
+
+@keeping_inputs
+def rms_norm(x: jax.Array, scale: jax.Array, eps: jax.Array) -> jax.Array:
+    """x / rms(x) · (1 + scale) in fp32 whatever x's dtype, back in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
+
+
 class RMSNorm(nnx.Module):
     """RMSNorm with Gemma's (1 + scale), computed in fp32 whatever the input dtype."""
 
@@ -87,9 +116,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+        return rms_norm(x, self.scale[...], jnp.float32(self.eps))
 
 
 class Embedder(nnx.Module):
@@ -252,28 +279,6 @@ def _mask_as_bias(mask_Bx1xLxS: jax.Array, heads: int, dtype) -> jax.Array:
     big_negative = jnp.asarray(jnp.finfo(dtype).min / 2, dtype)
     bias = jnp.where(mask_Bx1xLxS, jnp.asarray(0, dtype), big_negative)
     return jnp.broadcast_to(bias, (bias.shape[0], heads, *bias.shape[2:]))
-
-
-@jax.custom_vjp
-def geglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """gelu_tanh(gate) · up, whose backward pass keeps only its two inputs.
-
-    Differentiated as written, the tanh-approximated GELU leaves six [B, L, F] intermediates
-    for the backward pass (x³, tanh, 1 − tanh², products); a scanned layer stacks each of them
-    for every layer. Here the backward pass recomputes them from `gate` (elementwise, fused).
-    """
-    return jax.nn.gelu(gate, approximate=True) * up
-
-
-def _geglu_fwd(gate, up):
-    return geglu(gate, up), (gate, up)
-
-
-def _geglu_bwd(residuals, dh):
-    return jax.vjp(lambda g, u: jax.nn.gelu(g, approximate=True) * u, *residuals)[1](dh)
-
-
-geglu.defvjp(_geglu_fwd, _geglu_bwd)
 
 
 class MLP(nnx.Module):
