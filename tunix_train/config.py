@@ -92,7 +92,7 @@ class TrainingConfig:
     grad_reduce_dtype: str = "auto"  # auto (= compute dtype) | fp32: dtype gradients reduce in
     mixed_precision: str = "auto"  # bf16 | fp32 | auto (bf16 on accelerators, fp32 on CPU)
     zero_stage: int = 3  # 0 DDP, 1 +optimizer state sharded, 2 +gradients, 3 +parameters (FSDP)
-    remat: str = "none"  # none | full | save_dots: activation recomputation per layer
+    remat: str = "save_dots"  # save_dots | none | full: activation recomputation per layer
     loss_vocab_chunk: int = 16384  # vocabulary entries per chunk of the fused output head + loss
     eval_every_steps: int = 0  # 0 = evaluate only at the end
     profile_communication: bool = False
