@@ -16,7 +16,7 @@ from pathlib import Path
 
 MODELS = ("gemma3_1b", "gemma3_4b")
 FSDP = (8, 16)
-SETTINGS = ["training.micro_batch_size=1", "data.seq_len=2048"]
+SETTINGS = ["training.micro_batch_size=1", "data.seq_len=2048", "training.remat=none"]
 GB = 1e9
 
 
