@@ -10,9 +10,9 @@ the same cores, so a stage's idle iterations are not hidden by other stages' wor
 compute, as a GPU's idle time costs wall-clock. With the blocks dominating the step,
 step(pp) / step(no pp) ≈ 1 / (1 - bubble), so the measured bubble is 1 - step(no pp) /
 step(pp), to set beside the printed (pp-1)/(M+pp-1). The default model is block-heavy (small
-vocabulary, no trailing layers) so that what runs outside the stages stays a small part, and
-unrolled (`model.unroll_layers`): a rolled loop on a CPU copies its carries every iteration,
-an overhead that is not the bubble. The last line is JSON.
+vocabulary, no trailing layers) so that what runs outside the stages stays a small part. Loops
+are as configured (rolled by default; `model.unroll_layers=true` unrolls the layers and the
+pipeline's iterations): docs/performance.md has both. The last line is JSON.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ MODEL = ["model.num_layers=8", "model.global_every=2", "model.embed_dim=128",
          "model.hidden_dim=512", "model.num_heads=4", "model.num_kv_heads=1",
          "model.head_dim=32", "model.vocab_size=512", "model.sliding_window=64",
          "data.seq_len=128", "training.micro_batch_size=8", "training.mixed_precision=fp32",
-         "training.zero_stage=1", "model.unroll_layers=true"]
+         "training.zero_stage=1"]
 NO_PP = 'model.mesh_shape=[[8,1],["fsdp","tp"]]'
 PP2 = 'model.mesh_shape=[[2,4,1],["pp","fsdp","tp"]]'
 MICROBATCHES = (2, 4, 8)
