@@ -99,6 +99,7 @@ class TrainingConfig:
     nan_policy: str = "halt"  # halt | skip
     offload_optimizer: bool = False  # Adam's moments in pinned host memory, streamed to the update
     pipeline_microbatches: Optional[int] = None  # per micro-step, with a pp axis; None: bubble <= 25%
+    pipeline_repeats: int = 1  # layer chunks per pp stage, visited in turn (circular); 1 = GPipe
 
 
 @dataclass
@@ -292,7 +293,8 @@ _RANGES = {
     ("training", "micro_batch_size"): _COUNT, ("training", "global_batch_size"): _COUNT,
     ("training", "gradient_accumulation_steps"): _COUNT,
     ("training", "sync_gradients_every"): _COUNT, ("training", "zero_stage"): _Range(0, 3),
-    ("training", "loss_vocab_chunk"): _COUNT, ("training", "pipeline_microbatches"): _COUNT, ("training", "eval_every_steps"): _NATURAL,
+    ("training", "loss_vocab_chunk"): _COUNT, ("training", "pipeline_microbatches"): _COUNT,
+    ("training", "pipeline_repeats"): _COUNT, ("training", "eval_every_steps"): _NATURAL,
     ("checkpoint", "every_steps"): _NATURAL, ("checkpoint", "keep"): _COUNT,
     ("logging", "every_steps"): _COUNT, ("logging", "peak_tflops"): _POSITIVE,
     ("generate", "max_new_tokens"): _COUNT, ("generate", "temperature"): _NATURAL,

@@ -40,8 +40,8 @@ class ParamLayout:
 
     @classmethod
     def create(cls, model: ModelConfig, mesh: Mesh, zero_stage: int, remat: str = "none",
-               mixed_precision: str = "auto") -> ParamLayout:
-        rules = sharding.stage_rules(model, mesh, zero_stage)
+               mixed_precision: str = "auto", pipeline_repeats: int = 1) -> ParamLayout:
+        rules = sharding.stage_rules(model, mesh, zero_stage, pipeline_repeats)
         graphdef, variables = nnx.split(nnx.eval_shape(lambda: Gemma3(model, rngs=nnx.Rngs(0),
                                                                       remat=remat)))
 

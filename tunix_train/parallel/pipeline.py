@@ -1,4 +1,5 @@
-"""Pipeline parallelism: GPipe in one SPMD program, inside the train step's shard_map.
+"""Pipeline parallelism: GPipe or a circular schedule in one SPMD program, inside the train
+step's shard_map.
 
 On a mesh with a `pp` axis the block stacks (models/gemma3.py: the [locals..., global] blocks)
 are sharded over `pp` along their layer axis, so stage s holds blocks s·n/pp … (s+1)·n/pp - 1
@@ -22,6 +23,19 @@ the backward pass has gone through every iteration; their gradient is then reduc
 cost is that stage's gathered weights alive for the whole pipeline, and their gradient summed
 over the iterations in the compute dtype before the reduction.
 
+The circular schedule (`training.pipeline_repeats` = v > 1, MaxText's "pipeline repeats",
+Megatron's interleaved stages) cuts the blocks into pp × v chunks; stage s holds chunks s,
+s + pp, s + 2·pp, …, and a micro-batch goes round the ring of stages v times, one chunk per
+visit. An iteration then runs 1/v of a stage's blocks, and the scan has v·M + pp - 1 of them:
+the idle pp - 1 iterations at either end are v times shorter, a bubble of
+(pp - 1) / (v·M + pp - 1), for the same FLOPs and v times the activation permutes. The last stage
+sends a finished round back to stage 0 (the ring's closing edge), which parks it until its next
+round starts: M ≥ pp, so it never waits. A stage's chunks are not consecutive layers, so the
+stacks are stored whole over pp as for left-over blocks (storage keeps the model's layer order,
+so checkpoints move between schedules and meshes) and each stage's rows are taken in its chunks'
+order: below ZeRO-3 that is a full copy of the stacks on every stage, at ZeRO-3 the all-to-all
+over pp above moves a stage's weights each micro-step, which GPipe's storage avoids.
+
 Where the rest lives, and why. The embedding is a row lookup: every stage does it for all M
 micro-batches (no FLOPs worth splitting, and no activations to move), only stage 0's result
 is used. The output head and the loss are the largest single cost after the blocks (gemma3_1b:
@@ -43,6 +57,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from tunix_train.config import ConfigError, ModelConfig
@@ -62,14 +77,15 @@ BLOCK_STACKS = ("local_layers", "global_layers")  # what the stages are cut from
 class Schedule:
     stages: int  # pp
     microbatches: int  # M: pipeline micro-batches per micro-batch
+    repeats: int = 1  # v: rounds of the ring each micro-batch makes (circular when > 1)
 
     @property
     def iterations(self) -> int:
-        return self.microbatches + self.stages - 1
+        return self.repeats * self.microbatches + self.stages - 1
 
     @property
     def bubble(self) -> float:
-        """The fraction of a step each stage idles: (pp - 1) / (M + pp - 1)."""
+        """The fraction of a step each stage idles: (pp - 1) / (v·M + pp - 1)."""
         return (self.stages - 1) / self.iterations
 
     @property
@@ -78,9 +94,15 @@ class Schedule:
         return math.ceil(self.microbatches / self.stages)
 
 
-def check_layers(model: ModelConfig, pp: int) -> None:
-    """Pipeline stages are cut from whole [locals..., global] blocks, at least one each."""
+def check_layers(model: ModelConfig, pp: int, repeats: int = 1) -> None:
+    """Pipeline stages are cut from whole [locals..., global] blocks, at least one per chunk
+    (`repeats` chunks per stage)."""
     if pp == 1:
+        if repeats > 1:
+            raise ConfigError(
+                f"training.pipeline_repeats={repeats} needs pipeline stages, and "
+                f"model.mesh_shape={model.mesh_shape} has no pp axis; set "
+                f"training.pipeline_repeats=1 or add a pp axis.")
         return
     layout = LayerLayout.of(model)
     if layout.num_blocks < pp:
@@ -90,25 +112,49 @@ def check_layers(model: ModelConfig, pp: int) -> None:
             f"model.num_layers={model.num_layers} has {layout.num_blocks} block(s) of "
             f"model.global_every={model.global_every} layers, too few for pp={pp} pipeline "
             f"stages of at least one block each; {fix}.")
+    if layout.num_blocks < pp * repeats:
+        raise ConfigError(
+            f"training.pipeline_repeats={repeats} cuts the {layout.num_blocks} block(s) of "
+            f"model.num_layers={model.num_layers} into pp × {repeats} = {pp * repeats} chunks, "
+            f"more than there are blocks; use training.pipeline_repeats of at most "
+            f"{layout.num_blocks // pp}.")
 
 
 @dataclass(frozen=True)
 class Stages:
-    """How a model's blocks split into pipeline stages: `per_stage` blocks each, and the
+    """How a model's blocks split into `stages` pipeline stages: each holds `repeats` chunks of
+    `chunk` consecutive blocks (stage s's r-th chunk is the model's (r·pp + s)-th), and the
     `leftover` blocks that do not divide evenly run after the stages, with the trailing layers
     (every stage taking its share of the micro-batches, like the head)."""
 
-    per_stage: int
+    stages: int
+    repeats: int
+    chunk: int
     leftover: int
     layout: LayerLayout
 
     @classmethod
-    def of(cls, layout: LayerLayout, pp: int) -> "Stages":
-        return cls(*divmod(layout.num_blocks, pp), layout)
+    def of(cls, layout: LayerLayout, pp: int, repeats: int = 1) -> "Stages":
+        return cls(pp, repeats, *divmod(layout.num_blocks, pp * repeats), layout)
+
+    @property
+    def per_stage(self) -> int:
+        """Blocks each stage holds, all its chunks together."""
+        return self.chunk * self.repeats
+
+    @property
+    def stored_whole(self) -> bool:
+        """Whether the stacks cannot be split over pp by consecutive rows (left-over blocks, or
+        a stage's chunks apart from each other): then they are stored whole over pp."""
+        return bool(self.leftover) or self.repeats > 1
 
     @property
     def layers_per_stage(self) -> int:
         return self.per_stage * (self.layout.locals_per_block + 1)
+
+    @property
+    def layers_per_chunk(self) -> int:
+        return self.chunk * (self.layout.locals_per_block + 1)
 
     @property
     def layers_after(self) -> int:
@@ -116,89 +162,129 @@ class Stages:
 
     def rows(self, stack: str) -> int:
         """Rows of `stack` (one of BLOCK_STACKS) each stage runs."""
-        return self.per_stage * (self.layout.locals_per_block if stack == "local_layers" else 1)
+        return self.per_stage * self._rows_per_block(stack)
+
+    def row_order(self, stack: str) -> np.ndarray:
+        """The rows of `stack` reordered so that each stage's are consecutive, its chunks in
+        the order it runs them (stage 0's, stage 1's, …), the left-over blocks' last."""
+        pp, chunk = self.stages, self.chunk
+        blocks = [(r * pp + s) * chunk + j for s in range(pp) for r in range(self.repeats)
+                  for j in range(chunk)]
+        blocks += range(pp * self.per_stage, self.layout.num_blocks)
+        per_block = self._rows_per_block(stack)
+        return np.array([b * per_block + i for b in blocks for i in range(per_block)])
+
+    def _rows_per_block(self, stack: str) -> int:
+        return self.layout.locals_per_block if stack == "local_layers" else 1
 
 
-def schedule(pp: int, rows: int, microbatches: int | None) -> Schedule:
+def schedule(pp: int, rows: int, microbatches: int | None, repeats: int = 1) -> Schedule:
     """`training.pipeline_microbatches`, checked against a device's rows per micro-batch; None:
-    the fewest that divide the rows and keep the bubble at most MAX_BUBBLE, else all rows."""
+    the fewest that divide the rows and keep the bubble at most MAX_BUBBLE, else all rows. The
+    circular schedule (`repeats` > 1) needs at least pp: a micro-batch back from the last stage
+    must find stage 0 done with the micro-batches before it."""
+    least = pp if repeats > 1 else 1
+    if rows < least:
+        raise ConfigError(
+            f"training.pipeline_repeats={repeats} needs at least pp={pp} pipeline micro-batches "
+            f"per micro-step, and each fsdp shard takes {rows} row(s) per micro-step; raise "
+            f"training.micro_batch_size to {pp} or more, or set training.pipeline_repeats=1.")
     if microbatches is None:
-        fitting = [m for m in range(1, rows + 1) if rows % m == 0 and
-                   Schedule(pp, m).bubble <= MAX_BUBBLE]
-        plan = Schedule(pp, fitting[0] if fitting else rows)
+        fitting = [m for m in range(least, rows + 1) if rows % m == 0 and
+                   Schedule(pp, m, repeats).bubble <= MAX_BUBBLE]
+        plan = Schedule(pp, fitting[0] if fitting else rows, repeats)
         if not fitting:
+            enough = max(least, math.ceil(3 * (pp - 1) / repeats))
             log.warning("pipeline: %d row(s) per fsdp shard and micro-step allow at most %d "
                         "micro-batches: the bubble is %.0f%% of each step; raise "
                         "training.micro_batch_size to %d or more to bring it to %.0f%%.", rows,
-                        rows, 100 * plan.bubble, 3 * (pp - 1), 100 * MAX_BUBBLE)
+                        rows, 100 * plan.bubble, enough, 100 * MAX_BUBBLE)
         return plan
     if rows % microbatches:
         raise ConfigError(
             f"training.pipeline_microbatches={microbatches} must divide the {rows} rows each "
             f"fsdp shard takes per micro-step (training.micro_batch_size); choose a divisor "
             f"of {rows}.")
-    return Schedule(pp, microbatches)
+    if microbatches < least:
+        raise ConfigError(
+            f"training.pipeline_microbatches={microbatches} is fewer than pp={pp}, which "
+            f"training.pipeline_repeats={repeats} needs (a micro-batch back from the last stage "
+            f"would find stage 0 still busy); use at least {pp}, or "
+            f"training.pipeline_repeats=1.")
+    return Schedule(pp, microbatches, repeats)
 
 
 def describe(plan: Schedule | None, model: ModelConfig, rows: int) -> dict[str, Any] | None:
     """The schedule as the planner records it (`rows`: per fsdp shard and micro-step)."""
     if plan is None:
         return None
-    split = Stages.of(LayerLayout.of(model), plan.stages)
+    split = Stages.of(LayerLayout.of(model), plan.stages, plan.repeats)
     return {"stages": plan.stages, "microbatches": plan.microbatches,
-            "rows_per_microbatch": rows // plan.microbatches,
+            "rows_per_microbatch": rows // plan.microbatches, "repeats": plan.repeats,
             "layers_per_stage": split.layers_per_stage,
+            "layers_per_chunk": split.layers_per_chunk,
             "layers_outside_stages": split.layers_after, "bubble": plan.bubble}
 
 
 def line(record: dict[str, Any]) -> str:
     """One line for the start-up log and the planner, from `describe`'s record."""
-    return (f"pipeline: {record['stages']} stages of {record['layers_per_stage']} layers (+ "
-            f"{record['layers_outside_stages']} layer(s) after the stages, the head and the loss "
-            f"spread over the stages), {record['microbatches']} micro-batches of "
-            f"{record['rows_per_microbatch']} row(s) per micro-step: bubble (pp-1)/(M+pp-1) = "
+    repeats = record.get("repeats", 1)
+    circular = (f" in {repeats} chunks of {record['layers_per_chunk']}, circular"
+                if repeats > 1 else "")
+    formula = "(pp-1)/(M+pp-1)" if repeats == 1 else f"(pp-1)/({repeats}·M+pp-1)"
+    return (f"pipeline: {record['stages']} stages of {record['layers_per_stage']} layers"
+            f"{circular} (+ {record['layers_outside_stages']} layer(s) after the stages, the "
+            f"head and the loss spread over the stages), {record['microbatches']} micro-batches "
+            f"of {record['rows_per_microbatch']} row(s) per micro-step: bubble {formula} = "
             f"{record['bubble']:.1%}; memory figures are one stage's device")
 
 
-def reduced_gradient_bytes(sync: GradientSync, params: Any, dtype: jnp.dtype) -> int:
+def reduced_gradient_bytes(sync: GradientSync, params: Any, dtype: jnp.dtype,
+                           split: Stages | None) -> int:
     """Per-device bytes one full gradient reduction carries (the planner's yardstick for
     counting reductions): `fsdp.local_gradient_bytes`, less the other stages' rows of block
     stacks stored whole over pp when their gradients are reduced in the backward pass (each
-    stage reduces only its own rows and the leftover blocks')."""
+    stage reduces only its own rows and the leftover blocks'). `split`: None without pp."""
     total = local_gradient_bytes(sync, params, dtype)
-    blocks = jax.tree.leaves(params.get("global_layers", {}))
-    if sync.pp == 1 or not sync.reduces_per_layer or not blocks:
+    if split is None or not split.stored_whole or not sync.reduces_per_layer:
         return total
-    per_stage, leftover = divmod(blocks[0].shape[0], sync.pp)
-    if not leftover:
-        return total
-    others = 1 - (per_stage + leftover) / blocks[0].shape[0]
+    others = 1 - (split.per_stage + split.leftover) / split.layout.num_blocks
     return total - round(others * sum(
         local_gradient_bytes(dataclasses.replace(sync, grad_specs=sync.grad_specs[stack]),
                              params[stack], dtype) for stack in BLOCK_STACKS if stack in params))
 
 
-def gpipe(stage_fn: Callable[[jax.Array, jax.Array], jax.Array], inputs_MxBxLxD: jax.Array,
-          plan: Schedule, unroll: bool = False) -> jax.Array:
-    """Runs `stage_fn(x, micro-batch index)` (this stage's layers) over the M micro-batches in
-    GPipe order, inside a shard_map manual over pp. Returns this stage's share of the last
-    stage's outputs: micro-batches [s·k, (s+1)·k) with k = `plan.per_stage`, zero past M.
-    `unroll` (`model.unroll_layers`) unrolls the M + pp - 1 iterations; compile time then
-    grows with them. Rolled or not is a measurement per machine: on a CPU, with the layers
-    unrolled, the rolled loop was 9-13% faster (docs/performance.md, pipeline bubble)."""
+def rotate(stage_fn: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
+           inputs_MxBxLxD: jax.Array, plan: Schedule, unroll: bool = False) -> jax.Array:
+    """Runs `stage_fn(x, micro-batch index, round)` (this stage's layers, its chunk of that
+    round) over the M micro-batches, `plan.repeats` rounds each, inside a shard_map manual over
+    pp: GPipe order with one round, circular with more. Returns this stage's share of the last
+    stage's final outputs: micro-batches [s·k, (s+1)·k) with k = `plan.per_stage`, zero past M.
+    `unroll` (`model.unroll_layers`) unrolls the iterations; compile time then grows with them.
+    Rolled or not is a measurement per machine (docs/performance.md, pipeline bubble)."""
     stage = jax.lax.axis_index(PP)
-    last, M = plan.stages - 1, plan.microbatches
-    forward = [(s, s + 1) for s in range(last)]
+    last, M, rounds = plan.stages - 1, plan.microbatches, plan.repeats
+    edges = [(s, s + 1) for s in range(last)] + ([(last, 0)] if rounds > 1 else [])
 
-    def iteration(incoming, t):
-        x = jnp.where(stage == 0, inputs_MxBxLxD[jnp.minimum(t, M - 1)], incoming)
-        y = stage_fn(x, jnp.clip(t - stage, 0, M - 1))
-        return jax.lax.ppermute(y, PP, forward), y
+    def iteration(carry, t):
+        incoming, parked = carry
+        first = inputs_MxBxLxD[jnp.minimum(t, M - 1)]
+        if rounds > 1:
+            # Stage 0 receives what the last stage finished at t - 1 and keeps it until that
+            # micro-batch's next round starts, at most M - pp iterations later. (Idle stages
+            # send their clipped repeats of other work: those land in slots no round reads.)
+            parked = jax.lax.dynamic_update_index_in_dim(parked, incoming, (t - 1 - last) % M, 0)
+            first = jnp.where(t < M, first, parked[t % M])
+        x = jnp.where(stage == 0, first, incoming)
+        work = jnp.clip(t - stage, 0, rounds * M - 1)  # this stage's (round, micro-batch)
+        y = stage_fn(x, work % M, work // M)
+        return (jax.lax.ppermute(y, PP, edges), parked), y
 
-    _, ys = jax.lax.scan(iteration, jnp.zeros_like(inputs_MxBxLxD[0]),
-                         jnp.arange(plan.iterations), unroll=unroll)
-    # The last stage finishes micro-batch t - (pp - 1) at iteration t.
-    outputs = ys[last:]
+    carry = (jnp.zeros_like(inputs_MxBxLxD[0]),
+             jnp.zeros_like(inputs_MxBxLxD) if rounds > 1 else None)
+    _, ys = jax.lax.scan(iteration, carry, jnp.arange(plan.iterations), unroll=unroll)
+    # The last stage finishes micro-batch m's last round at iteration (v - 1)·M + m + pp - 1.
+    outputs = ys[(rounds - 1) * M + last:]
     slots = plan.per_stage * plan.stages
     outputs = jnp.concatenate([outputs, jnp.zeros((slots - M, *outputs.shape[1:]),
                                                    outputs.dtype)])
@@ -212,7 +298,8 @@ def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: dict, plan: Schedule,
               vocab_chunks: VocabChunks = VocabChunks()) -> tuple[jax.Array, dict]:
     """training/train_step.py's `loss_sums` on one pipeline stage: this stage's share of the
     loss sum and token count over one [B, L] micro-batch (summed over pp by the caller)."""
-    model, after = _stage_models(graphdef, params, plan)
+    split = Stages.of(nnx.merge(graphdef, params).layout, plan.stages, plan.repeats)
+    model, stage_stacks, after = _stage_models(graphdef, params, split)
     rows, length = batch["inputs"].shape
     positions = batch.get("positions")
     if positions is None:
@@ -222,12 +309,18 @@ def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: dict, plan: Schedule,
     ropes_M = jax.tree.map(lambda t: _micro_batches(t, plan), ropes)
     segments_M = None if segments is None else _micro_batches(segments, plan)
 
-    def stage_fn(x, micro):
-        return model.blocks(x, jax.tree.map(lambda t: t[micro], ropes_M),
+    def stage_fn(x, micro, round_):
+        chunk = model
+        if split.repeats > 1:  # this round's chunk of the stage's rows
+            chunk = nnx.merge(graphdef, {**params, **{
+                s: jax.tree.map(lambda a, n=split.rows(s) // split.repeats:
+                                jax.lax.dynamic_slice_in_dim(a, round_ * n, n), rows_)
+                for s, rows_ in stage_stacks.items()}})
+        return chunk.blocks(x, jax.tree.map(lambda t: t[micro], ropes_M),
                             None if segments_M is None else segments_M[micro])
 
     embedded = _micro_batches(model.embed(batch["inputs"]), plan)
-    outputs = gpipe(stage_fn, embedded, plan, model.cfg.unroll_layers)
+    outputs = rotate(stage_fn, embedded, plan, model.cfg.unroll_layers)
     hidden = outputs.reshape(-1, length, outputs.shape[-1])
     ropes = jax.tree.map(lambda t: _stage_share(t, plan), ropes)
     segments = None if segments is None else _stage_share(segments, plan)
@@ -240,20 +333,28 @@ def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: dict, plan: Schedule,
     return jnp.sum(token_loss * weights), {"tokens": jnp.sum(weights)}
 
 
-def _stage_models(graphdef: nnx.GraphDef, params: Any,
-                  plan: Schedule) -> tuple[nnx.Module, nnx.Module | None]:
+def _stage_models(graphdef: nnx.GraphDef, params: Any, split: Stages
+                  ) -> tuple[nnx.Module, dict[str, Any], nnx.Module | None]:
     """The model with this stage's blocks, materialized once for all its iterations (ZeRO-3:
-    gathered once, their gradients reduced once after the pipeline's backward pass), and the
-    model with the leftover blocks that run after the stages (None when there are none)."""
-    split = Stages.of(nnx.merge(graphdef, params).layout, plan.stages)
+    gathered once, their gradients reduced once after the pipeline's backward pass), those
+    blocks' stacks (its chunks one after the other), and the model with the leftover blocks
+    that run after the stages (None when there are none)."""
     stacks = [stack for stack in BLOCK_STACKS if stack in params]
-    if not split.leftover:
+    if not split.stored_whole:
         stage = {s: model_params.materialize_stack(params[s]) for s in stacks}
-        return nnx.merge(graphdef, {**params, **stage}), None
-    # The stacks are stored whole over pp (sharding.resolve_rules).
-    cut = {s: model_params.stage_rows(params[s], plan.stages, split.rows(s)) for s in stacks}
-    return (nnx.merge(graphdef, {**params, **{s: cut[s][0] for s in stacks}}),
-            nnx.merge(graphdef, {**params, **{s: cut[s][1] for s in stacks}}))
+        return nnx.merge(graphdef, {**params, **stage}), stage, None
+    # The stacks are stored whole over pp (sharding.resolve_rules). A circular stage's chunks
+    # are apart: its rows are first brought together, in the order it runs them.
+    cut = {}
+    for s in stacks:
+        rows = params[s]
+        if split.repeats > 1:
+            rows = jax.tree.map(lambda a, o=split.row_order(s): jnp.take(a, o, axis=0), rows)
+        cut[s] = model_params.stage_rows(rows, split.stages, split.rows(s))
+    stage = {s: cut[s][0] for s in stacks}
+    after = (nnx.merge(graphdef, {**params, **{s: cut[s][1] for s in stacks}})
+             if split.leftover else None)
+    return nnx.merge(graphdef, {**params, **stage}), stage, after
 
 
 def _micro_batches(x: jax.Array, plan: Schedule) -> jax.Array:
@@ -262,7 +363,7 @@ def _micro_batches(x: jax.Array, plan: Schedule) -> jax.Array:
 
 
 def _stage_share(x: jax.Array, plan: Schedule) -> jax.Array:
-    """The rows of the micro-batches whose loss this stage computes (those `gpipe` returns it),
+    """The rows of the micro-batches whose loss this stage computes (those `rotate` returns it),
     zero past M: [B, L] → [per_stage · B / M, L]."""
     x = _micro_batches(x, plan)
     padding = jnp.zeros((plan.per_stage * plan.stages - plan.microbatches, *x.shape[1:]),

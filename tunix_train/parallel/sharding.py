@@ -78,9 +78,10 @@ def logical_dims(model: ModelConfig) -> dict[str, int]:
     return dims
 
 
-def resolve_rules(model: ModelConfig, mesh: Mesh) -> dict[str, str | None]:
+def resolve_rules(model: ModelConfig, mesh: Mesh,
+                  pipeline_repeats: int = 1) -> dict[str, str | None]:
     """`RULES` with `model.sharding_rules` merged in, checked against the mesh and the model's
-    dimensions."""
+    dimensions (`pipeline_repeats`: `training.pipeline_repeats`)."""
     unknown = sorted(set(model.sharding_rules) - set(RULES))
     if unknown:
         raise ConfigError(
@@ -90,9 +91,11 @@ def resolve_rules(model: ModelConfig, mesh: Mesh) -> dict[str, str | None]:
     rules = {**RULES, **model.sharding_rules}
     if PP not in mesh.shape:
         rules = {name: None if axis == PP else axis for name, axis in rules.items()}
-    elif rules["layers"] == PP and LayerLayout.of(model).num_blocks % mesh.shape[PP]:
-        # Blocks that do not divide into the stages: the stacks are stored whole over pp and
-        # ZeRO splits them over fsdp × pp instead (spread_over_pp, parallel/pipeline.py).
+    elif rules["layers"] == PP and (LayerLayout.of(model).num_blocks % mesh.shape[PP]
+                                    or pipeline_repeats > 1):
+        # Blocks that do not divide into the stages, or a circular schedule's stages of chunks
+        # apart: the stacks are stored whole over pp and ZeRO splits them over fsdp × pp
+        # instead (spread_over_pp, parallel/pipeline.py).
         rules["layers"] = None
     dims = logical_dims(model)
     for name, axis in rules.items():
@@ -119,8 +122,9 @@ _DIM_KEYS = {"vocab": "vocab_size", "embed": "embed_dim", "mlp": "hidden_dim",
              "q_heads": "num_heads"}
 
 
-def stage_rules(model: ModelConfig, mesh: Mesh, zero_stage: int) -> StageRules:
-    rules = resolve_rules(model, mesh)
+def stage_rules(model: ModelConfig, mesh: Mesh, zero_stage: int,
+                pipeline_repeats: int = 1) -> StageRules:
+    rules = resolve_rules(model, mesh, pipeline_repeats)
     if FSDP in (rules["vocab"], rules["act_vocab"]):
         raise ConfigError(
             "model.sharding_rules maps the vocabulary to fsdp, which the embedding lookup and "

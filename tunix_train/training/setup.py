@@ -28,6 +28,7 @@ from tunix_train.analysis import costs
 from tunix_train.config import Config, ConfigError, TrainingConfig
 from tunix_train.data import pipeline
 from tunix_train.data.pipeline import BatchShape
+from tunix_train.models.gemma3 import LayerLayout
 from tunix_train.models.head import VocabChunks
 from tunix_train.parallel import fsdp, sharding
 from tunix_train.parallel import pipeline as stages
@@ -57,10 +58,11 @@ class Setup:
         """`devices` defaults to all of them; tests pass a subset to compare meshes."""
         devices = devices if devices is not None else jax.devices()
         shape = mesh_lib.parse(cfg.model.mesh_shape, len(devices))
-        stages.check_layers(cfg.model, shape.pp)
-        mesh = mesh_lib.create_mesh(shape, devices, processes_per_node)
         t = cfg.training
-        params = ParamLayout.create(cfg.model, mesh, t.zero_stage, t.remat, t.mixed_precision)
+        stages.check_layers(cfg.model, shape.pp, t.pipeline_repeats)
+        mesh = mesh_lib.create_mesh(shape, devices, processes_per_node)
+        params = ParamLayout.create(cfg.model, mesh, t.zero_stage, t.remat, t.mixed_precision,
+                                    t.pipeline_repeats)
         updates = config_lib.optimizer_steps(cfg)
         optimizer = optim.adamw(cfg.optimizer, updates)
         batch = batch_shape(cfg.training, cfg.data.seq_len, shape.fsdp)
@@ -168,7 +170,10 @@ class Setup:
             "optimizer_host": costs.sharded_bytes(abstract["opt_state"], shardings["opt_state"],
                                                   memory_kind=HOST),
         }
-        return costs.analyse(compiled, self.options.sync, abstract["params"], model_state)
+        plan = self.options.pipeline
+        split = None if plan is None else stages.Stages.of(
+            LayerLayout.of(self.cfg.model), plan.stages, plan.repeats)
+        return costs.analyse(compiled, self.options.sync, abstract["params"], model_state, split)
 
 
 def _check_host_memory(devices: list[jax.Device]) -> None:
@@ -194,7 +199,8 @@ def step_options(cfg: Config, params: ParamLayout, batch: BatchShape) -> StepOpt
                                                cfg.training.loss_vocab_chunk), shards)
     pp = sync.pp
     plan = None if pp == 1 else stages.schedule(pp, batch.rows // sync.fsdp,
-                                                cfg.training.pipeline_microbatches)
+                                                cfg.training.pipeline_microbatches,
+                                                cfg.training.pipeline_repeats)
     return StepOptions(compute_dtype=dtype, sync=sync, mesh=params.mesh,
                        rules=params.rules.params, vocab_chunks=chunks, pipeline=plan)
 

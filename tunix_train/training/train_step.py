@@ -35,7 +35,7 @@ class StepOptions:
     mesh: Mesh
     rules: LogicalRules  # logical → mesh axes for the model's activation constraints
     vocab_chunks: VocabChunks  # how the fused output head + loss cuts the vocabulary
-    pipeline: pipeline.Schedule | None = None  # with a pp axis: the GPipe schedule
+    pipeline: pipeline.Schedule | None = None  # with a pp axis: the pipeline schedule
 
 
 def _cast(tree: Any, dtype: jnp.dtype) -> Any:
