@@ -9,7 +9,8 @@ pipeline micro-batch's shape: CPU speed per FLOP depends on it). Every device of
 the same cores, so a stage's idle iterations are not hidden by other stages' work: they cost
 compute, as a GPU's idle time costs wall-clock. With the blocks dominating the step,
 step(pp) / step(no pp) ≈ 1 / (1 - bubble), so the measured bubble is 1 - step(no pp) /
-step(pp), to set beside the printed (pp-1)/(M+pp-1). The default model is block-heavy (small
+step(pp), to set beside the printed (pp-1)/(M+pp-1), and for the circular schedule with two
+rounds (`training.pipeline_repeats=2`) beside (pp-1)/(2·M+pp-1). The default model is block-heavy (small
 vocabulary, no trailing layers) so that what runs outside the stages stays a small part. Loops
 are as configured (rolled by default; `model.unroll_layers=true` unrolls the layers and the
 pipeline's iterations): docs/performance.md has both. The last line is JSON.
@@ -36,6 +37,7 @@ MODEL = ["model.num_layers=8", "model.global_every=2", "model.embed_dim=128",
 NO_PP = 'model.mesh_shape=[[8,1],["fsdp","tp"]]'
 PP2 = 'model.mesh_shape=[[2,4,1],["pp","fsdp","tp"]]'
 MICROBATCHES = (2, 4, 8)
+REPEATS = (1, 2)  # GPipe, and the circular schedule with 2 rounds (4 blocks: chunks of 1)
 
 
 def stepper(overrides: list[str]):
@@ -55,9 +57,11 @@ def main(overrides: list[str]) -> dict:
         runs[("none", m)] = stepper([*MODEL, *overrides, NO_PP,
                                      f"training.micro_batch_size={16 // m}",
                                      f"training.gradient_accumulation_steps={m // 2}"])[1]
-        setup, runs[m] = stepper([*MODEL, *overrides, PP2, "training.micro_batch_size=16",
-                                  f"training.pipeline_microbatches={m}"])
-        plans[m] = setup.options.pipeline
+        for v in REPEATS:
+            setup, runs[(v, m)] = stepper([*MODEL, *overrides, PP2, "training.micro_batch_size=16",
+                                           f"training.pipeline_microbatches={m}",
+                                           f"training.pipeline_repeats={v}"])
+            plans[(v, m)] = setup.options.pipeline
     for run in runs.values():
         timed(run, WARMUP)
     times = {name: [] for name in runs}
@@ -66,16 +70,18 @@ def main(overrides: list[str]) -> dict:
             times[name].append(timed(run, STEPS_PER_ROUND))
     median = {name: statistics.median(t) for name, t in times.items()}
     rows = []
-    for m in MICROBATCHES:
-        baseline = median[("none", m)]
-        measured = 1 - baseline / median[m]
-        rows.append({"microbatches": m, "printed_bubble": round(plans[m].bubble, 4),
-                     "measured_bubble": round(measured, 4),
-                     "step_ratio": round(median[m] / baseline, 4),
-                     "relative_error": round(abs(measured - plans[m].bubble)
-                                             / plans[m].bubble, 3)})
-        print(f"M={m}: printed bubble {plans[m].bubble:.1%}, measured {measured:.1%} "
-              f"(step {median[m] * 1e3:.0f} ms vs {baseline * 1e3:.0f} ms without pp)")
+    for v in REPEATS:
+        for m in MICROBATCHES:
+            baseline, plan, step = median[("none", m)], plans[(v, m)], median[(v, m)]
+            measured = 1 - baseline / step
+            rows.append({"repeats": v, "microbatches": m,
+                         "printed_bubble": round(plan.bubble, 4),
+                         "measured_bubble": round(measured, 4),
+                         "step_ratio": round(step / baseline, 4),
+                         "relative_error": round(abs(measured - plan.bubble) / plan.bubble, 3)})
+            print(f"{'GPipe' if v == 1 else f'circular, {v} rounds'}, M={m}: printed bubble "
+                  f"{plan.bubble:.1%}, measured {measured:.1%} (step {step * 1e3:.0f} ms vs "
+                  f"{baseline * 1e3:.0f} ms without pp)")
     result = {"rows": rows, "devices": jax.device_count(),
               "device_kind": jax.devices()[0].device_kind}
     print(json.dumps(result))
