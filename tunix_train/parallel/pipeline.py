@@ -271,7 +271,7 @@ def rotate(stage_fn: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
         first = inputs_MxBxLxD[jnp.minimum(t, M - 1)]
         if rounds > 1:
             # Stage 0 receives what the last stage finished at t - 1 and keeps it until that
-            # micro-batch's next round starts, at most M - pp iterations later. (Idle stages
+            # micro-batch's next round starts, M - pp iterations later. (Idle stages
             # send their clipped repeats of other work: those land in slots no round reads.)
             parked = jax.lax.dynamic_update_index_in_dim(parked, incoming, (t - 1 - last) % M, 0)
             first = jnp.where(t < M, first, parked[t % M])
