@@ -11,7 +11,7 @@ from helpers import (PP_MESHES, TINY, assert_restores_onto, compiled_run, compos
 from tunix_train import config as config_lib
 from tunix_train.config import ConfigError
 from tunix_train.models.gemma3 import LayerLayout
-from tunix_train.parallel import pipeline
+from tunix_train.parallel import stages
 from tunix_train.training.setup import Setup
 
 STEPS = 3
@@ -57,8 +57,8 @@ def test_each_stage_holds_its_own_blocks_only(runs):
         for leaf in jax.tree.leaves(state["params"][stack]):
             assert leaf.sharding.spec[0] == "pp"
             assert {s.data.shape[0] for s in leaf.addressable_shards} == {blocks // 2}
-            stages = {s.device: s.index[0].start for s in leaf.addressable_shards}
-            assert sorted(set(stages.values())) == [0, blocks // 2]
+            starts = {s.device: s.index[0].start for s in leaf.addressable_shards}
+            assert sorted(set(starts.values())) == [0, blocks // 2]
     # What every stage runs (embedding, trailing layers) is split over fsdp and pp together
     # along the dimension fsdp splits (ZeRO-3 over the 4 devices holding a copy), not by layer.
     for key in ("trailing_layers", "embedder"):
@@ -91,9 +91,9 @@ def test_the_planner_shows_the_stage_memory_bubble_and_permutes(runs):
     assert {c.axis for c in permutes} == {"pp"}
     # One permute per pipeline iteration, forward and (transposed) backward, per micro-step.
     assert sum(c.count for c in permutes) == 2 * plan.iterations * 2
-    record = pipeline.describe(plan, with_pp[0].cfg.model, 4)
+    record = stages.describe(plan, with_pp[0].cfg.model, 4)
     assert (record["layers_per_stage"], record["layers_outside_stages"]) == (4, 1)
-    assert "bubble (pp-1)/(M+pp-1) = 20.0%" in pipeline.line(record)
+    assert "bubble (pp-1)/(M+pp-1) = 20.0%" in stages.line(record)
 
 
 @pytest.mark.parametrize("source,target", [("2x2x2", "none"), ("none", "4x1x2")])
@@ -104,27 +104,27 @@ def test_a_checkpoint_restores_across_pp_and_no_pp(runs, tmp_path, source, targe
 def test_stages_of_whole_blocks_and_what_a_layer_count_gives():
     four_b = compose_config("model=gemma3_4b").model  # 34 layers: 5 blocks of 6, 4 trailing
     for pp, (per_stage, after) in {2: (12, 10), 4: (6, 10), 5: (6, 4)}.items():
-        pipeline.check_layers(four_b, pp)
-        record = pipeline.describe(pipeline.Schedule(pp, 8), four_b, 8)
+        stages.check_layers(four_b, pp)
+        record = stages.describe(stages.Schedule(pp, 8), four_b, 8)
         assert (record["layers_per_stage"], record["layers_outside_stages"]) == (per_stage, after)
     with pytest.raises(ConfigError, match=r"model.num_layers=34 has 5 block\(s\) of "
                                           r"model.global_every=6 layers, too few for pp=8 .* "
                                           r"at most 5"):
-        pipeline.check_layers(four_b, 8)
+        stages.check_layers(four_b, 8)
     with pytest.raises(ConfigError, match="pp=2 .*; use no pp axis"):  # 7 layers: one block
         Setup.create(compose_config(*TINY, mesh_of([[2, 4, 1], ["pp", "fsdp", "tp"]])))
 
 
 def test_pipeline_microbatches_default_keeps_the_bubble_at_a_quarter():
     for pp, rows in ((2, 4), (2, 12), (4, 12), (4, 64), (8, 64)):
-        plan = pipeline.schedule(pp, rows, None)
-        assert rows % plan.microbatches == 0 and plan.bubble <= pipeline.MAX_BUBBLE
+        plan = stages.schedule(pp, rows, None)
+        assert rows % plan.microbatches == 0 and plan.bubble <= stages.MAX_BUBBLE
         smaller = [m for m in range(1, plan.microbatches) if rows % m == 0]
-        assert all((pp - 1) / (m + pp - 1) > pipeline.MAX_BUBBLE for m in smaller)
-    assert pipeline.schedule(4, 2, None).microbatches == 2  # too few rows: all of them
-    assert pipeline.schedule(2, 8, 2).bubble == pytest.approx(1 / 3)
+        assert all((pp - 1) / (m + pp - 1) > stages.MAX_BUBBLE for m in smaller)
+    assert stages.schedule(4, 2, None).microbatches == 2  # too few rows: all of them
+    assert stages.schedule(2, 8, 2).bubble == pytest.approx(1 / 3)
     with pytest.raises(ConfigError, match="training.pipeline_microbatches=3 must divide the 8"):
-        pipeline.schedule(2, 8, 3)
+        stages.schedule(2, 8, 3)
 
 
 def test_grpo_with_pipeline_stages_is_refused_by_name():

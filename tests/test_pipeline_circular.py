@@ -11,7 +11,7 @@ from helpers import (PP_MESHES, TINY, assert_restores_onto, compiled_run, compos
                      mesh_arg, mesh_of, train_losses)
 from tunix_train.config import ConfigError
 from tunix_train.models.gemma3 import LayerLayout
-from tunix_train.parallel import pipeline
+from tunix_train.parallel import stages
 from tunix_train.training.setup import Setup
 
 STEPS = 3
@@ -50,7 +50,7 @@ def test_four_stages_round_the_ring_with_a_left_over_block():
              "training.global_batch_size=16", "training.gradient_accumulation_steps=2"]
     without = train_losses(compose_config(*model, mesh_arg(1, 2)), STEPS, jax.devices()[:2])[0]
     cfg = compose_config(*model, "training.pipeline_repeats=2", mesh_of(PP_MESHES["4x1x2"]))
-    split = pipeline.Stages.of(LayerLayout.of(cfg.model), 4, 2)
+    split = stages.Stages.of(LayerLayout.of(cfg.model), 4, 2)
     assert (split.chunk, split.per_stage, split.leftover) == (1, 2, 1)
     assert Setup.create(cfg).options.pipeline.microbatches == 8
     np.testing.assert_allclose(train_losses(cfg, STEPS)[0], without, rtol=1e-5)
@@ -71,10 +71,10 @@ def test_the_stacks_are_stored_whole_over_pp_in_the_models_order(runs):
                 if not {"fsdp", "pp"} & set(jax.tree.leaves(tuple(s.spec))))
     without = runs["none"][1].per_device_bytes["params"]
     assert costs.per_device_bytes["params"] - whole == pytest.approx((without - whole) / 2, abs=64)
-    split = pipeline.Stages.of(LayerLayout.of(setup.cfg.model), 2, 2)
+    split = stages.Stages.of(LayerLayout.of(setup.cfg.model), 2, 2)
     # Blocks 0 and 2 on stage 0, 1 and 3 on stage 1; the local stack has one row per block.
     assert split.row_order("global_layers").tolist() == [0, 2, 1, 3]
-    three = pipeline.Stages.of(LayerLayout(5, 2, 0), 2, 2)  # 2 locals per block, 1 left over
+    three = stages.Stages.of(LayerLayout(5, 2, 0), 2, 2)  # 2 locals per block, 1 left over
     assert three.row_order("local_layers").tolist() == [0, 1, 4, 5, 2, 3, 6, 7, 8, 9]
 
 
@@ -88,10 +88,10 @@ def test_the_planner_shows_the_shorter_bubble_and_the_ring(runs):
     # micro-step.
     assert sum(c.count for c in permutes) == 2 * plan.iterations * 2
     assert costs.comm.gradient_reductions_per_step == pytest.approx(2, rel=0.02)
-    record = pipeline.describe(plan, setup.cfg.model, 4)
+    record = stages.describe(plan, setup.cfg.model, 4)
     assert (record["layers_per_stage"], record["layers_per_chunk"]) == (4, 2)
-    assert "in 2 chunks of 2, circular" in pipeline.line(record)
-    assert "bubble (pp-1)/(2·M+pp-1) = 11.1%" in pipeline.line(record)
+    assert "in 2 chunks of 2, circular" in stages.line(record)
+    assert "bubble (pp-1)/(2·M+pp-1) = 11.1%" in stages.line(record)
 
 
 @pytest.mark.parametrize("source,target", [("2x2x2", "none"), ("none", "2x4x1")])
@@ -101,14 +101,14 @@ def test_a_checkpoint_restores_across_circular_and_no_pp(runs, tmp_path, source,
 
 def test_the_default_microbatches_and_what_the_schedule_refuses():
     for pp, rows, repeats in ((2, 4, 2), (2, 12, 3), (4, 8, 2), (4, 64, 4)):
-        plan = pipeline.schedule(pp, rows, None, repeats)
+        plan = stages.schedule(pp, rows, None, repeats)
         assert plan.microbatches >= pp and rows % plan.microbatches == 0
         assert plan.bubble == pytest.approx((pp - 1) / (repeats * plan.microbatches + pp - 1))
-        assert plan.bubble <= pipeline.MAX_BUBBLE
+        assert plan.bubble <= stages.MAX_BUBBLE
     with pytest.raises(ConfigError, match="training.pipeline_microbatches=2 is fewer than pp=4"):
-        pipeline.schedule(4, 8, 2, repeats=2)
+        stages.schedule(4, 8, 2, repeats=2)
     with pytest.raises(ConfigError, match="takes 2 row.* raise training.micro_batch_size to 4"):
-        pipeline.schedule(4, 2, None, repeats=2)
+        stages.schedule(4, 2, None, repeats=2)
     with pytest.raises(ConfigError, match="training.pipeline_repeats=3 cuts the 4 block.* at "
                                           "most 2"):
         Setup.create(compose_config(*NO_PP, "training.pipeline_repeats=3",

@@ -1,4 +1,4 @@
-"""Pipeline stages on a model whose blocks do not divide into them (parallel/pipeline.py's
+"""Pipeline stages on a model whose blocks do not divide into them (parallel/stages.py's
 `Stages`): the leftover blocks run after the stages, the block stacks are stored whole over pp
 and split over fsdp × pp by ZeRO. Against the same run without pp: losses at ZeRO 1-3,
 storage and per-device bytes, checkpoints across meshes."""
@@ -10,7 +10,7 @@ import pytest
 from helpers import (PP_MESHES, TINY, assert_restores_onto, compiled_run, compose_config,
                      mesh_arg, mesh_of, train_losses)
 from tunix_train.models.gemma3 import LayerLayout
-from tunix_train.parallel import pipeline
+from tunix_train.parallel import stages
 
 STEPS = 3
 # 5 blocks and a trailing local: at pp 2, stages of 2 blocks and one left over; at pp 4, of 1.
@@ -32,7 +32,7 @@ def test_blocks_left_over_after_the_stages_give_the_losses_without_pp(uneven, na
     reference = uneven["none"][2]
     assert reference[-1] < reference[0]
     np.testing.assert_allclose(uneven[name][2], reference, rtol=1e-5)
-    split = pipeline.Stages.of(LayerLayout.of(uneven[name][0].cfg.model), int(name[0]))
+    split = stages.Stages.of(LayerLayout.of(uneven[name][0].cfg.model), int(name[0]))
     assert (split.per_stage, split.leftover) == {"2x2x2": (2, 1), "4x1x2": (1, 1)}[name]
 
 

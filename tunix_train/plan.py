@@ -100,7 +100,7 @@ def _record(setup, costs, compile_s: float) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
-    from tunix_train.parallel import pipeline as stages
+    from tunix_train.parallel import stages
 
     cfg, per_device = setup.cfg, costs.per_device_bytes
     return {
@@ -127,7 +127,7 @@ def _record(setup, costs, compile_s: float) -> dict[str, Any]:
 
 
 def _summary(record: dict[str, Any], costs) -> list[str]:
-    from tunix_train.parallel import pipeline as stages
+    from tunix_train.parallel import stages
 
     mesh = " × ".join(f"{k}={v}" for k, v in record["mesh"].items())
     total, limit = record["per_device_bytes"]["total"] / GB, record["device_memory_gb"]

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from tunix_train.analysis import comm_report, hlo
 from tunix_train.analysis.comm_report import CommReport
-from tunix_train.parallel import fsdp, pipeline
+from tunix_train.parallel import fsdp, stages
 
 UNITS = {"MB": 1e6, "GB": 1e9}
 
@@ -88,9 +88,9 @@ class StepCosts:
 
 
 def analyse(compiled: jax.stages.Compiled, sync: fsdp.GradientSync, abstract_params: Any,
-            model_state: dict[str, int], stages: pipeline.Stages | None = None) -> StepCosts:
+            model_state: dict[str, int], split: stages.Stages | None = None) -> StepCosts:
     """`model_state`: per-device bytes of params, grads and optimizer (see `sharded_bytes`);
-    `stages`: how the blocks split into pipeline stages (None without pp)."""
+    `split`: how the blocks split into pipeline stages (None without pp)."""
     text = compiled.as_text()
     xla = _device_and_host(compiled.memory_analysis(), text)
     per_device = {
@@ -101,8 +101,7 @@ def analyse(compiled: jax.stages.Compiled, sync: fsdp.GradientSync, abstract_par
         "host": xla["host_arguments"] + xla["host_outputs"] - xla["host_aliased"],
     }
     module = hlo.parse(text)
-    reduction = pipeline.reduced_gradient_bytes(sync, abstract_params, sync.reduce_dtype,
-                                                stages)
+    reduction = stages.reduced_gradient_bytes(sync, abstract_params, sync.reduce_dtype, split)
     comm = comm_report.from_hlo(module, sync.mesh, gradient_bytes=reduction)
     return StepCosts(per_device, xla, hlo.flops(module) * sync.mesh.devices.size, comm, module,
                      sync)

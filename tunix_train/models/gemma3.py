@@ -143,7 +143,7 @@ class Gemma3(nnx.Module):
     def blocks(self, x_BxLxD: jax.Array, ropes: dict[str, tuple],
                segment_ids_BxL: jax.Array | None) -> jax.Array:
         """The [locals..., global] blocks whose layers this module holds: all of them, or one
-        pipeline stage's when the stacks are a stage's slices (parallel/pipeline.py). `ropes`:
+        pipeline stage's chunk when the stacks are one (parallel/pipeline.py). `ropes`:
         `rope(positions)`, which a pipeline computes once for all its micro-batches."""
         steps = self._scan_steps(ropes, segment_ids_BxL, ("local", "global"))
         x_BxLxD, _ = self._run_blocks(x_BxLxD, steps, self._states(("local", "global")))

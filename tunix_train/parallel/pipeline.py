@@ -5,7 +5,7 @@ On a mesh with a `pp` axis the block stacks (models/gemma3.py: the [locals..., g
 are sharded over `pp` along their layer axis, so stage s holds blocks s·n/pp … (s+1)·n/pp - 1
 and every device of a stage runs the same program on its own slice. Where pp does not divide
 the n blocks (gemma3_4b: 5), each stage runs ⌊n/pp⌋ and the n mod pp left over run after the
-stages, with the trailing layers (`Stages`); the stacks, which JAX cannot split unevenly, are
+stages, with the trailing layers (`stages.Stages`); the stacks, which JAX cannot split unevenly, are
 then stored whole over pp and split over fsdp × pp by ZeRO, and a stage's rows reach it by an
 all-to-all over pp (collectives.FsdpHook.stage_rows). Each micro-batch of a
 device's rows is cut into M pipeline micro-batches (`training.pipeline_microbatches`), and a
@@ -49,210 +49,19 @@ parameters (ZeRO-3), gradients (2) and optimizer state (1) halve from pp=1 to pp
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import logging
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.models import params as model_params
-from tunix_train.models.gemma3 import LayerLayout
 from tunix_train.models.head import VocabChunks
 from tunix_train.parallel.collectives import cpu_safe_reduction
-from tunix_train.parallel.fsdp import GradientSync, local_gradient_bytes
 from tunix_train.parallel.mesh import PP
-
-log = logging.getLogger(__name__)
-MAX_BUBBLE = 0.25  # the default number of pipeline micro-batches keeps the bubble at most this
-BLOCK_STACKS = ("local_layers", "global_layers")  # what the stages are cut from
-
-
-@dataclass(frozen=True)
-class Schedule:
-    stages: int  # pp
-    microbatches: int  # M: pipeline micro-batches per micro-batch
-    repeats: int = 1  # v: rounds of the ring each micro-batch makes (circular when > 1)
-
-    @property
-    def iterations(self) -> int:
-        return self.repeats * self.microbatches + self.stages - 1
-
-    @property
-    def bubble(self) -> float:
-        """The fraction of a step each stage idles: (pp - 1) / (v·M + pp - 1)."""
-        return (self.stages - 1) / self.iterations
-
-    @property
-    def per_stage(self) -> int:
-        """Micro-batches whose loss each stage computes (the last stage's outputs, spread)."""
-        return math.ceil(self.microbatches / self.stages)
-
-
-def check_layers(model: ModelConfig, pp: int, repeats: int = 1) -> None:
-    """Pipeline stages are cut from whole [locals..., global] blocks, at least one per chunk
-    (`repeats` chunks per stage)."""
-    if pp == 1:
-        if repeats > 1:
-            raise ConfigError(
-                f"training.pipeline_repeats={repeats} needs pipeline stages, and "
-                f"model.mesh_shape={model.mesh_shape} has no pp axis; set "
-                f"training.pipeline_repeats=1 or add a pp axis.")
-        return
-    layout = LayerLayout.of(model)
-    if layout.num_blocks < pp:
-        fix = (f"use a pp of at most {layout.num_blocks} or no pp axis"
-               if layout.num_blocks > 1 else "use no pp axis")
-        raise ConfigError(
-            f"model.num_layers={model.num_layers} has {layout.num_blocks} block(s) of "
-            f"model.global_every={model.global_every} layers, too few for pp={pp} pipeline "
-            f"stages of at least one block each; {fix}.")
-    if layout.num_blocks < pp * repeats:
-        raise ConfigError(
-            f"training.pipeline_repeats={repeats} cuts the {layout.num_blocks} block(s) of "
-            f"model.num_layers={model.num_layers} into pp × {repeats} = {pp * repeats} chunks, "
-            f"more than there are blocks; use training.pipeline_repeats of at most "
-            f"{layout.num_blocks // pp}.")
-
-
-@dataclass(frozen=True)
-class Stages:
-    """How a model's blocks split into `stages` pipeline stages: each holds `repeats` chunks of
-    `chunk` consecutive blocks (stage s's r-th chunk is the model's (r·pp + s)-th), and the
-    `leftover` blocks that do not divide evenly run after the stages, with the trailing layers
-    (every stage taking its share of the micro-batches, like the head)."""
-
-    stages: int
-    repeats: int
-    chunk: int
-    leftover: int
-    layout: LayerLayout
-
-    @classmethod
-    def of(cls, layout: LayerLayout, pp: int, repeats: int = 1) -> "Stages":
-        return cls(pp, repeats, *divmod(layout.num_blocks, pp * repeats), layout)
-
-    @property
-    def per_stage(self) -> int:
-        """Blocks each stage holds, all its chunks together."""
-        return self.chunk * self.repeats
-
-    @property
-    def stored_whole(self) -> bool:
-        """Whether the stacks cannot be split over pp by consecutive rows (left-over blocks, or
-        a stage's chunks apart from each other): then they are stored whole over pp."""
-        return bool(self.leftover) or self.repeats > 1
-
-    @property
-    def layers_per_stage(self) -> int:
-        return self.per_stage * (self.layout.locals_per_block + 1)
-
-    @property
-    def layers_per_chunk(self) -> int:
-        return self.chunk * (self.layout.locals_per_block + 1)
-
-    @property
-    def layers_after(self) -> int:
-        return self.leftover * (self.layout.locals_per_block + 1) + self.layout.trailing_locals
-
-    def rows(self, stack: str) -> int:
-        """Rows of `stack` (one of BLOCK_STACKS) each stage runs."""
-        return self.per_stage * self._rows_per_block(stack)
-
-    def row_order(self, stack: str) -> np.ndarray:
-        """The rows of `stack` reordered so that each stage's are consecutive, its chunks in
-        the order it runs them (stage 0's, stage 1's, …), the left-over blocks' last."""
-        pp, chunk = self.stages, self.chunk
-        blocks = [(r * pp + s) * chunk + j for s in range(pp) for r in range(self.repeats)
-                  for j in range(chunk)]
-        blocks += range(pp * self.per_stage, self.layout.num_blocks)
-        per_block = self._rows_per_block(stack)
-        return np.array([b * per_block + i for b in blocks for i in range(per_block)])
-
-    def _rows_per_block(self, stack: str) -> int:
-        return self.layout.locals_per_block if stack == "local_layers" else 1
-
-
-def schedule(pp: int, rows: int, microbatches: int | None, repeats: int = 1) -> Schedule:
-    """`training.pipeline_microbatches`, checked against a device's rows per micro-batch; None:
-    the fewest that divide the rows and keep the bubble at most MAX_BUBBLE, else all rows. The
-    circular schedule (`repeats` > 1) needs at least pp: a micro-batch back from the last stage
-    must find stage 0 done with the micro-batches before it."""
-    least = pp if repeats > 1 else 1
-    if rows < least:
-        raise ConfigError(
-            f"training.pipeline_repeats={repeats} needs at least pp={pp} pipeline micro-batches "
-            f"per micro-step, and each fsdp shard takes {rows} row(s) per micro-step; raise "
-            f"training.micro_batch_size to {pp} or more, or set training.pipeline_repeats=1.")
-    if microbatches is None:
-        fitting = [m for m in range(least, rows + 1) if rows % m == 0 and
-                   Schedule(pp, m, repeats).bubble <= MAX_BUBBLE]
-        plan = Schedule(pp, fitting[0] if fitting else rows, repeats)
-        if not fitting:
-            enough = max(least, math.ceil(3 * (pp - 1) / repeats))
-            log.warning("pipeline: %d row(s) per fsdp shard and micro-step allow at most %d "
-                        "micro-batches: the bubble is %.0f%% of each step; raise "
-                        "training.micro_batch_size to %d or more to bring it to %.0f%%.", rows,
-                        rows, 100 * plan.bubble, enough, 100 * MAX_BUBBLE)
-        return plan
-    if rows % microbatches:
-        raise ConfigError(
-            f"training.pipeline_microbatches={microbatches} must divide the {rows} rows each "
-            f"fsdp shard takes per micro-step (training.micro_batch_size); choose a divisor "
-            f"of {rows}.")
-    if microbatches < least:
-        raise ConfigError(
-            f"training.pipeline_microbatches={microbatches} is fewer than pp={pp}, which "
-            f"training.pipeline_repeats={repeats} needs (a micro-batch back from the last stage "
-            f"would find stage 0 still busy); use at least {pp}, or "
-            f"training.pipeline_repeats=1.")
-    return Schedule(pp, microbatches, repeats)
-
-
-def describe(plan: Schedule | None, model: ModelConfig, rows: int) -> dict[str, Any] | None:
-    """The schedule as the planner records it (`rows`: per fsdp shard and micro-step)."""
-    if plan is None:
-        return None
-    split = Stages.of(LayerLayout.of(model), plan.stages, plan.repeats)
-    return {"stages": plan.stages, "microbatches": plan.microbatches,
-            "rows_per_microbatch": rows // plan.microbatches, "repeats": plan.repeats,
-            "layers_per_stage": split.layers_per_stage,
-            "layers_per_chunk": split.layers_per_chunk,
-            "layers_outside_stages": split.layers_after, "bubble": plan.bubble}
-
-
-def line(record: dict[str, Any]) -> str:
-    """One line for the start-up log and the planner, from `describe`'s record."""
-    repeats = record.get("repeats", 1)
-    circular = (f" in {repeats} chunks of {record['layers_per_chunk']}, circular"
-                if repeats > 1 else "")
-    formula = "(pp-1)/(M+pp-1)" if repeats == 1 else f"(pp-1)/({repeats}·M+pp-1)"
-    return (f"pipeline: {record['stages']} stages of {record['layers_per_stage']} layers"
-            f"{circular} (+ {record['layers_outside_stages']} layer(s) after the stages, the "
-            f"head and the loss spread over the stages), {record['microbatches']} micro-batches "
-            f"of {record['rows_per_microbatch']} row(s) per micro-step: bubble {formula} = "
-            f"{record['bubble']:.1%}; memory figures are one stage's device")
-
-
-def reduced_gradient_bytes(sync: GradientSync, params: Any, dtype: jnp.dtype,
-                           split: Stages | None) -> int:
-    """Per-device bytes one full gradient reduction carries (the planner's yardstick for
-    counting reductions): `fsdp.local_gradient_bytes`, less the other stages' rows of block
-    stacks stored whole over pp when their gradients are reduced in the backward pass (each
-    stage reduces only its own rows and the leftover blocks'). `split`: None without pp."""
-    total = local_gradient_bytes(sync, params, dtype)
-    if split is None or not split.stored_whole or not sync.reduces_per_layer:
-        return total
-    others = 1 - (split.per_stage + split.leftover) / split.layout.num_blocks
-    return total - round(others * sum(
-        local_gradient_bytes(dataclasses.replace(sync, grad_specs=sync.grad_specs[stack]),
-                             params[stack], dtype) for stack in BLOCK_STACKS if stack in params))
+from tunix_train.parallel.stages import BLOCK_STACKS, Schedule, Stages
 
 
 def rotate(stage_fn: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
@@ -299,8 +108,9 @@ def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: dict, plan: Schedule,
               vocab_chunks: VocabChunks = VocabChunks()) -> tuple[jax.Array, dict]:
     """training/train_step.py's `loss_sums` on one pipeline stage: this stage's share of the
     loss sum and token count over one [B, L] micro-batch (summed over pp by the caller)."""
-    split = Stages.of(nnx.merge(graphdef, params).layout, plan.stages, plan.repeats)
-    model, stage_stacks, after = _stage_models(graphdef, params, split)
+    model = nnx.merge(graphdef, params)  # outside the blocks: the embedding, trailing layers, head
+    split = Stages.of(model.layout, plan.stages, plan.repeats)
+    stage_stacks, after = _stage_stacks(graphdef, params, split)
     rows, length = batch["inputs"].shape
     positions = batch.get("positions")
     if positions is None:
@@ -311,25 +121,10 @@ def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: dict, plan: Schedule,
     segments_M = None if segments is None else _micro_batches(segments, plan)
 
     def stage_fn(x, micro, round_):
-        ropes_m = jax.tree.map(lambda t: t[micro], ropes_M)
-        segments_m = None if segments_M is None else segments_M[micro]
-        if split.repeats == 1:
-            return model.blocks(x, ropes_m, segments_m)
-        # This round's chunk as row indices into the stage's stacks: each layer picks its row
-        # inside its own remat'ed step (`_ChunkRows`), so the backward pass picks it again
-        # rather than keeping a chunk of weights per iteration (a slice here was kept: +4 GB
-        # per device for gemma3_1b at pp 2 × fsdp 8, M = 4, 2 rounds).
-        stacks, rows_of = {}, {}
-        for s, state in stage_stacks.items():
-            n = split.rows(s) // split.repeats
-            leaves, treedef = jax.tree.flatten(state)
-            for i, leaf in enumerate(leaves):
-                stacks[(s, i)] = leaf
-            rows_of[s] = jax.tree.unflatten(treedef, [
-                _RowOf(jnp.arange(n) + round_ * n, (s, i)) for i in range(len(leaves))])
-        chunk = nnx.merge(graphdef, {**params, **rows_of})
-        with model_params.hooked(_ChunkRows(stacks)):
-            return chunk.blocks(x, ropes_m, segments_m)
+        chunk, hook = _round_chunk(graphdef, params, stage_stacks, split, round_)
+        with model_params.hooked(hook):
+            return chunk.blocks(x, jax.tree.map(lambda t: t[micro], ropes_M),
+                                None if segments_M is None else segments_M[micro])
 
     embedded = _micro_batches(model.embed(batch["inputs"]), plan)
     outputs = rotate(stage_fn, embedded, plan, model.cfg.unroll_layers)
@@ -345,16 +140,33 @@ def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: dict, plan: Schedule,
     return jnp.sum(token_loss * weights), {"tokens": jnp.sum(weights)}
 
 
-def _stage_models(graphdef: nnx.GraphDef, params: Any, split: Stages
-                  ) -> tuple[nnx.Module, dict[str, Any], nnx.Module | None]:
-    """The model with this stage's blocks, materialized once for all its iterations (ZeRO-3:
-    gathered once, their gradients reduced once after the pipeline's backward pass), those
-    blocks' stacks (its chunks one after the other), and the model with the leftover blocks
-    that run after the stages (None when there are none)."""
+def _round_chunk(graphdef: nnx.GraphDef, params: Any, stage_stacks: dict[str, Any],
+                 split: Stages, round_: jax.Array) -> tuple[nnx.Module, "_ChunkRows"]:
+    """The model whose block stacks are round `round_`'s chunk of the stage's (materialized)
+    stacks, as row indices, and the hook that turns them into rows while it runs: each layer
+    picks its row inside its own remat'ed step, so the backward pass picks it again rather than
+    keeping a chunk of weights per iteration (slicing the chunk here kept one: +4 GB per device
+    for gemma3_1b at pp 2 × fsdp 8, M = 4, 2 rounds; GPipe's one round needs 0.26 GB less than
+    when its layers were scanned over slices of the stage's stacks)."""
+    stacks, rows_of = {}, {}
+    for s, state in stage_stacks.items():
+        n = split.rows(s) // split.repeats
+        leaves, treedef = jax.tree.flatten(state)
+        stacks.update({(s, i): leaf for i, leaf in enumerate(leaves)})
+        rows_of[s] = jax.tree.unflatten(
+            treedef, [_RowOf(jnp.arange(n) + round_ * n, (s, i)) for i in range(len(leaves))])
+    return nnx.merge(graphdef, {**params, **rows_of}), _ChunkRows(stacks)
+
+
+def _stage_stacks(graphdef: nnx.GraphDef, params: Any, split: Stages
+                  ) -> tuple[dict[str, Any], nnx.Module | None]:
+    """This stage's block stacks (its chunks one after the other), materialized once for all
+    its iterations (ZeRO-3: gathered once, their gradients reduced once after the pipeline's
+    backward pass), and the model with the leftover blocks that run after the stages (None
+    when there are none)."""
     stacks = [stack for stack in BLOCK_STACKS if stack in params]
     if not split.stored_whole:
-        stage = {s: model_params.materialize_stack(params[s]) for s in stacks}
-        return nnx.merge(graphdef, {**params, **stage}), stage, None
+        return {s: model_params.materialize_stack(params[s]) for s in stacks}, None
     # The stacks are stored whole over pp (sharding.resolve_rules). A circular stage's chunks
     # are apart: its rows are first brought together, in the order it runs them.
     cut = {}
@@ -363,10 +175,9 @@ def _stage_models(graphdef: nnx.GraphDef, params: Any, split: Stages
         if split.repeats > 1:
             rows = jax.tree.map(lambda a, o=split.row_order(s): jnp.take(a, o, axis=0), rows)
         cut[s] = model_params.stage_rows(rows, split.stages, split.rows(s))
-    stage = {s: cut[s][0] for s in stacks}
     after = (nnx.merge(graphdef, {**params, **{s: cut[s][1] for s in stacks}})
              if split.leftover else None)
-    return nnx.merge(graphdef, {**params, **stage}), stage, after
+    return {s: cut[s][0] for s in stacks}, after
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["index"],
@@ -381,7 +192,7 @@ class _RowOf:
 class _ChunkRows:
     """models/params.py's hook while a stage runs one round's chunk: `_RowOf` leaves → their
     rows, through `_pick`, which recomputation policies never save (`materializer`). The
-    stacks are already materialized (`_stage_models`)."""
+    stacks are already materialized (`_stage_stacks`)."""
 
     def __init__(self, stacks: dict):
         self.stacks = stacks

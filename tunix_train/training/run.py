@@ -15,7 +15,7 @@ from tunix_train.analysis import flops, profiling
 from tunix_train.checkpoint import Checkpoints
 from tunix_train.config import Config
 from tunix_train.parallel import distributed
-from tunix_train.parallel import pipeline as stages
+from tunix_train.parallel import stages
 from tunix_train.training import state as state_lib
 from tunix_train.training.loop import Loop, StepHooks
 from tunix_train.training.metrics import (MetricsWriter, Throughput, report_costs,

@@ -31,7 +31,7 @@ from tunix_train.data.pipeline import BatchShape
 from tunix_train.models.gemma3 import LayerLayout
 from tunix_train.models.head import VocabChunks
 from tunix_train.parallel import fsdp, sharding
-from tunix_train.parallel import pipeline as stages
+from tunix_train.parallel import stages
 from tunix_train.parallel import mesh as mesh_lib
 from tunix_train.parallel.layout import ParamLayout
 from tunix_train.training import optim

@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from tunix_train.models.head import VocabChunks
-from tunix_train.parallel import fsdp, pipeline
+from tunix_train.parallel import fsdp, pipeline, stages
 from tunix_train.parallel.sharding import LogicalRules, activate, per_shard_rules
 from tunix_train.training.optim import skipped_updates
 from tunix_train.training.state import StateLayout, TrainState
@@ -35,7 +35,7 @@ class StepOptions:
     mesh: Mesh
     rules: LogicalRules  # logical → mesh axes for the model's activation constraints
     vocab_chunks: VocabChunks  # how the fused output head + loss cuts the vocabulary
-    pipeline: pipeline.Schedule | None = None  # with a pp axis: the pipeline schedule
+    pipeline: stages.Schedule | None = None  # with a pp axis: the pipeline schedule
 
 
 def _cast(tree: Any, dtype: jnp.dtype) -> Any:
