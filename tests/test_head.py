@@ -92,7 +92,8 @@ def test_the_attention_path_is_logged_once_and_a_refusal_is_a_warning(caplog, mo
         for _ in range(2):  # two traces, one line
             jax.jit(setup.train_step()).lower(setup.fresh_state(), batch)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention:")]
-    assert lines == ["attention: XLA (model.attention_impl=auto on cpu: cuDNN needs a GPU)"]
+    assert lines == ["attention: XLA, [B, N, L, L] scores (model.attention_impl=auto on cpu: "
+                     "cuDNN needs a GPU; 32 tokens < 1024, where dense is faster)"]
 
     # What a GPU whose cuDNN refuses the call sees: here cuDNN refuses on the CPU itself.
     caplog.clear()
@@ -100,7 +101,8 @@ def test_the_attention_path_is_logged_once_and_a_refusal_is_a_warning(caplog, mo
     attention = layers.Attention(cfg.model, nnx.Rngs(0))  # implementation "auto"
     q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
     with caplog.at_level("INFO", logger="tunix_train"):
-        out = attention._attention(q, q, q, is_causal=True)
+        out = attention._attention(q, q, q, None, None)
     assert out.shape == q.shape
     [warning] = [r for r in caplog.records if r.getMessage().startswith("attention:")]
     assert warning.levelname == "WARNING" and "cuDNN refused this call (" in warning.getMessage()
+    assert warning.getMessage().endswith("using the xla attention")  # 8 tokens: dense

@@ -40,7 +40,7 @@ class ModelConfig:
     global_rope_scale: float = 1.0  # linear RoPE scaling on global layers (8 for 4B)
     query_pre_attn_scalar: Optional[float] = None  # softmax scale is its -1/2 power; None = head_dim
     rms_norm_eps: float = 1e-6
-    attention_impl: str = "auto"  # auto (cudnn on GPUs where it applies, else xla) | xla | cudnn
+    attention_impl: str = "auto"  # auto (cudnn on GPUs where it applies, else blockwise) | blockwise | cudnn | xla
     unroll_layers: bool = False  # unroll the scans over layers: faster steps on CPU (1.4x on
     # bench/peer_step.py), compile time grows with depth; docs/performance.md
     init_from: Optional[str] = None  # hf:<dir> = dimensions and weights of a Hugging Face checkpoint
@@ -262,7 +262,7 @@ _CHOICES = {
     ("training", "remat"): ("none", "full", "save_dots"),
     ("training", "nan_policy"): ("halt", "skip"),
     ("training", "grad_reduce_dtype"): ("auto", "fp32"),
-    ("model", "attention_impl"): ("auto", "xla", "cudnn"),
+    ("model", "attention_impl"): ("auto", "blockwise", "cudnn", "xla"),
     ("logging", "progress"): ("auto", "always", "never"),
     ("data", "packing"): ("concat", "first_fit"),
     ("data", "dtype"): ("uint16", "uint32"),

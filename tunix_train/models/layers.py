@@ -17,7 +17,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from tunix_train.config import ModelConfig
-from tunix_train.models import head, kv_cache
+from tunix_train.models import blockwise, head, kv_cache
 from tunix_train.models.params import materialize, take
 from tunix_train.models.partitioning import constrain
 
@@ -180,13 +180,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BxLxD, cos_sin, segment_ids_BxL, window: int | None) -> jax.Array:
         q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = self._project(x_BxLxD, cos_sin)
-        mask = None
-        if segment_ids_BxL is not None:
-            mask = segment_ids_BxL[:, None, :, None] == segment_ids_BxL[:, None, None, :]
-        out_BxLxNxH = self._attention(
-            q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mask=mask, is_causal=True,
-            local_window_size=(window - 1, 0) if window else None,
-        )
+        out_BxLxNxH = self._attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, window)
         return self._output(out_BxLxNxH)
 
     def decode(self, x_BxTxD, cos_sin, positions_BxT, cache: kv_cache.LayerView,
@@ -215,18 +209,23 @@ class Attention(nnx.Module):
         k_BxLxKxH = apply_rope(self.k_norm(k_BxLxKxH), cos_sin)
         return q_BxLxNxH, k_BxLxKxH, v_BxLxKxH
 
-    def _attention(self, q, k, v, mask=None, **kwargs) -> jax.Array:
-        """cuDNN's fused flash attention where asked (or, under `auto`, on GPUs when it accepts
-        the call), XLA's otherwise. cuDNN's own checks run while tracing, so falling back is free.
-        A document mask (packed sequences) reaches cuDNN as an additive bias per head, the form
-        its batching rule accepts; XLA would materialise the [B, N, L, L] scores instead. The
-        path taken is logged once per process; a refusal under `auto` is a warning with why."""
+    def _attention(self, q, k, v, segment_ids_BxL, window: int | None) -> jax.Array:
+        """Causal attention by the path `_attention_path` picks; the path taken is logged once
+        per process, and a cuDNN refusal under `auto` is a warning saying why."""
+        path, why = _attention_path(self.implementation, q.dtype, segment_ids_BxL is not None,
+                                    q.shape[1])
+        if path == "blockwise":
+            _report_once(logging.INFO, f"attention: blockwise ({why})")
+            return blockwise.attention(q, k, v, segment_ids_BxL, scale=self.scale, window=window)
         call = functools.partial(jax.nn.dot_product_attention, q, k, v, scale=self.scale,
-                                 **kwargs)
-        why_not = _why_not_cudnn(self.implementation, q.dtype)
-        if why_not:
-            _report_once(logging.INFO, f"attention: XLA ({why_not})")
+                                 is_causal=True,
+                                 local_window_size=(window - 1, 0) if window else None)
+        mask = None if segment_ids_BxL is None else \
+            segment_ids_BxL[:, None, :, None] == segment_ids_BxL[:, None, None, :]
+        if path == "xla":
+            _report_once(logging.INFO, f"attention: XLA, [B, N, L, L] scores ({why})")
             return call(mask=mask, implementation="xla")
+        # cuDNN's batching rule takes a document mask only as an additive bias per head.
         bias = None if mask is None else _mask_as_bias(mask, q.shape[2], q.dtype)
         chosen = "cuDNN fused flash attention" + (
             "" if mask is None else ", document masks as an additive [B, N, L, L] bias")
@@ -234,15 +233,17 @@ class Attention(nnx.Module):
             out = call(bias=bias, implementation="cudnn")
             _report_once(logging.INFO, f"attention: {chosen}")
             return out
-        try:
+        try:  # cuDNN's own checks run while tracing, so falling back is free
             out = call(bias=bias, implementation="cudnn")
         except (ValueError, NotImplementedError, RuntimeError, TypeError) as refusal:
             reason = str(refusal).strip().splitlines()[0][:200] if str(refusal) else \
                 type(refusal).__name__
+            path, _ = _without_cudnn(q.shape[1], "")
             _report_once(logging.WARNING, f"attention: cuDNN refused this call ({reason}); "
-                                          f"using XLA's attention, which materialises the "
-                                          f"[B, N, L, L] scores")
-            return call(mask=mask, implementation="xla")
+                                          f"using the {path} attention")
+            if path == "xla":
+                return call(mask=mask, implementation="xla")
+            return blockwise.attention(q, k, v, segment_ids_BxL, scale=self.scale, window=window)
         _report_once(logging.INFO, f"attention: {chosen}")
         return out
 
@@ -251,17 +252,35 @@ class Attention(nnx.Module):
         return project(out_BxLxNxH, self.o[...], contract=2)
 
 
-def _why_not_cudnn(implementation: str, dtype) -> str | None:
-    """Why XLA's attention is used without trying cuDNN, or None to try cuDNN."""
-    if implementation == "xla":
-        return "model.attention_impl=xla"
-    if implementation == "cudnn":
-        return None
+# Above this many tokens a document mask would reach cuDNN as a [B, N, L, L] bias of at least
+# 2 GB per sequence (bf16, 4 heads; and as much again for its gradient): blockwise instead.
+CUDNN_BIAS_MAX_TOKENS = 8192
+# Without cuDNN: from this many tokens blockwise is faster than dense on CPU for head dims 64
+# and 256 (bench/attention.py); below it dense wins at head dim 256 and its scores are small.
+BLOCKWISE_MIN_TOKENS = 1024
+
+
+def _attention_path(implementation: str, dtype, masked: bool, length: int) -> tuple[str, str]:
+    """(path, why): "cudnn", "blockwise" (models/blockwise.py) or "xla" (dense scores)."""
+    if implementation in ("xla", "blockwise", "cudnn"):
+        return implementation, f"model.attention_impl={implementation}"
     if jax.default_backend() != "gpu":
-        return f"model.attention_impl=auto on {jax.default_backend()}: cuDNN needs a GPU"
-    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
-        return f"cuDNN's fused attention takes bf16 or fp16, and compute is {jnp.dtype(dtype).name}"
-    return None
+        why = f"model.attention_impl=auto on {jax.default_backend()}: cuDNN needs a GPU"
+    elif jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        why = f"cuDNN's fused attention takes bf16 or fp16, and compute is " \
+              f"{jnp.dtype(dtype).name}"
+    elif masked and length > CUDNN_BIAS_MAX_TOKENS:
+        return "blockwise", f"document masks at {length} tokens would reach cuDNN as a " \
+                            f"[B, N, L, L] bias (above {CUDNN_BIAS_MAX_TOKENS} tokens)"
+    else:
+        return "cudnn", "model.attention_impl=auto on a GPU"
+    return _without_cudnn(length, why)
+
+
+def _without_cudnn(length: int, why: str) -> tuple[str, str]:
+    if length >= BLOCKWISE_MIN_TOKENS:
+        return "blockwise", f"{why}; {length} tokens >= {BLOCKWISE_MIN_TOKENS}"
+    return "xla", f"{why}; {length} tokens < {BLOCKWISE_MIN_TOKENS}, where dense is faster"
 
 
 _REPORTED: set[str] = set()

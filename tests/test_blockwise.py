@@ -1,0 +1,113 @@
+"""The blockwise attention (models/blockwise.py) against XLA's dense attention: outputs and
+gradients with document masks and sliding windows, through the real train step on a sharded
+mesh, its memory against the sequence length, and which attention path `auto` picks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import TINY, compose_config, mesh_arg, train_losses
+from tunix_train.models import blockwise, layers
+
+
+def dense(q, k, v, segment_ids, window, scale):
+    """The reference: every [L, L] score, the document mask as segment_q == segment_k."""
+    mask = None if segment_ids is None else \
+        segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=mask, scale=scale, is_causal=True, implementation="xla",
+        local_window_size=(window - 1, 0) if window else None)
+
+
+def inputs(length=96, heads=4, kv_heads=2, head_dim=8, batch=2, seed=0):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32)
+    k, v, weights = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in (
+        (batch, length, kv_heads, head_dim), (batch, length, kv_heads, head_dim), q.shape))
+    # Packed rows: documents of random lengths, ids increasing along the row.
+    segments = jnp.asarray(np.sort(rng.integers(0, 5, size=(batch, length)), axis=1))
+    return q, k, v, weights, segments
+
+
+# 16 and 32 divide 96; 40 does not (the sequence is padded); 128 > 96 is one block.
+@pytest.mark.parametrize("block", [16, 40, 128])
+@pytest.mark.parametrize("window", [None, 20, 7])
+@pytest.mark.parametrize("packed", [False, True])
+def test_outputs_and_gradients_equal_dense_attention(block, window, packed):
+    q, k, v, weights, segments = inputs()
+    segments = segments if packed else None
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v) * weights)
+
+    got = jax.value_and_grad(loss(lambda q, k, v: blockwise.attention(
+        q, k, v, segments, scale=0.3, window=window, block=block)), argnums=(0, 1, 2))(q, k, v)
+    want = jax.value_and_grad(loss(lambda q, k, v: dense(
+        q, k, v, segments, window, 0.3)), argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(
+        blockwise.attention(q, k, v, segments, scale=0.3, window=window, block=block),
+        dense(q, k, v, segments, window, 0.3), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for g, w in zip(got[1], want[1]):  # dq, dk, dv (dk and dv summed over each KV head's group)
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.abs(w).max()))
+
+
+def temporaries(fn, length, batch=1, heads=4, head_dim=32):
+    q = jax.ShapeDtypeStruct((batch, length, heads, head_dim), jnp.float32)
+    kv = jax.ShapeDtypeStruct((batch, length, 1, head_dim), jnp.float32)
+    seg = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+    grad = jax.grad(lambda q, k, v, s: jnp.sum(fn(q, k, v, s)), argnums=(0, 1, 2))
+    return jax.jit(grad).lower(q, kv, kv, seg).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_memory_is_linear_in_the_sequence_length():
+    """Forward and backward compiled at 1,024 and 4,096 tokens: 4× the tokens, about 4× the
+    temporaries (dense attention: about 16×, its [B, N, L, L] scores and mask)."""
+    def ours(q, k, v, s):
+        return blockwise.attention(q, k, v, s, scale=0.2, window=None, block=256)
+
+    def reference(q, k, v, s):
+        return dense(q, k, v, s, None, 0.2)
+
+    short, long = temporaries(ours, 1024), temporaries(ours, 4096)
+    assert long <= 4.5 * short
+    scores_fp32 = 1 * 4 * 4096 * 4096 * 4  # B · N · L² · 4 bytes: what dense attention holds
+    assert long < scores_fp32 / 8
+    assert temporaries(reference, 4096) >= scores_fp32 > 10 * long
+
+
+def test_the_train_step_with_blockwise_attention_equals_dense_on_a_sharded_mesh():
+    """Packed documents, 256 tokens in blocks of 64 (4 blocks; local layers' window of 16
+    reaches one block back), fsdp 2 × tp 2: losses of 3 steps of blockwise = XLA's dense."""
+    common = [*TINY, "data.seq_len=256", mesh_arg(2, 2), "training.global_batch_size=4"]
+    got, _ = train_losses(compose_config(*common, "model.attention_impl=blockwise"), 3,
+                          jax.devices()[:4])
+    want, _ = train_losses(compose_config(*common, "model.attention_impl=xla"), 3,
+                           jax.devices()[:4])
+    assert blockwise.block_size(256) == 64
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_auto_picks_cudnn_on_a_gpu_unless_a_document_bias_would_be_large(monkeypatch):
+    path_of = layers._attention_path
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+    bf16, long = jnp.bfloat16, layers.CUDNN_BIAS_MAX_TOKENS * 2
+    assert path_of("auto", bf16, masked=True, length=2048)[0] == "cudnn"
+    assert path_of("auto", bf16, masked=False, length=long)[0] == "cudnn"
+    path, why = path_of("auto", bf16, masked=True, length=long)
+    assert path == "blockwise" and f"document masks at {long} tokens" in why
+    assert path_of("auto", jnp.float32, masked=False, length=2048)[0] == "blockwise"
+    assert path_of("xla", bf16, masked=True, length=2048)[0] == "xla"
+    # Without cuDNN: dense below BLOCKWISE_MIN_TOKENS, blockwise from it; by name, as asked.
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: "cpu")
+    short = layers.BLOCKWISE_MIN_TOKENS
+    assert path_of("auto", bf16, masked=True, length=short)[0] == "blockwise"
+    assert path_of("auto", bf16, masked=True, length=short - 1)[0] == "xla"
+    assert path_of("blockwise", bf16, masked=False, length=32)[0] == "blockwise"
+
+
+@pytest.mark.parametrize("length,block", [(32, 64), (256, 64), (1024, 256), (2048, 512),
+                                          (32768, 512), (300, 64)])
+def test_block_size_is_a_quarter_of_the_sequence_within_64_and_512(length, block):
+    assert blockwise.block_size(length) == block
