@@ -111,3 +111,26 @@ def test_auto_picks_cudnn_on_a_gpu_unless_a_document_bias_would_be_large(monkeyp
                                           (32768, 512), (300, 64)])
 def test_block_size_is_a_quarter_of_the_sequence_within_64_and_512(length, block):
     assert blockwise.block_size(length) == block
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_the_planners_flop_count_is_the_tiles_visited(window):
+    """Every loop has a known trip count, so the planner's HLO count (analysis/hlo.py) is the
+    work done: 7 tile matmuls (2 forward, 5 backward) per visited tile, the tiles found here
+    by brute force over positions (the backward's Σ dO·O compiles to a reduction, not a dot)."""
+    from tunix_train.analysis import hlo
+
+    B, L, N, H, block = 2, 512, 2, 16, 64
+    q = jax.ShapeDtypeStruct((B, L, N, H), jnp.float32)
+    seg = jax.ShapeDtypeStruct((B, L), jnp.int32)
+    grad = jax.grad(lambda q, k, v, s: jnp.sum(blockwise.attention(
+        q, k, v, s, scale=0.25, window=window, block=block)), argnums=(0, 1, 2))
+    module = hlo.parse(jax.jit(grad).lower(q, q, q, seg).compile().as_text())
+
+    position = np.arange(L)
+    sees = position[None, :] <= position[:, None]  # [query, key]
+    if window:
+        sees &= position[:, None] - position[None, :] < window
+    tiles = sees.reshape(L // block, block, L // block, block).any(axis=(1, 3)).sum()
+    assert module.warnings == []
+    assert hlo.flops(module) == 7 * tiles * 2 * B * N * block * block * H

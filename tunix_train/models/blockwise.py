@@ -10,16 +10,23 @@ probabilities from them. What it buys over `jax.nn.dot_product_attention(impleme
 - a sliding window costs O(L · window), not O(L²): a query block visits only the key blocks its
   window reaches (a causal one only those up to its own).
 
+Both passes are one `lax.scan` over the static list of visible (query block, key block) tiles,
+so every loop has a known trip count (the planner's FLOP count is the work done). The running
+max, sum and output (forward) and dQ, dK, dV (backward) are whole [.., L, ..] fp32 arrays
+updated a block at a time: linear memory, and no tile order to keep.
+
 Shapes: B batch, L sequence, N heads (keys and values already repeated to the query heads),
 H head dim; b tokens per block.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 def block_size(length: int) -> int:
@@ -57,33 +64,20 @@ def attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array,
     return out[:, :L]
 
 
+@dataclasses.dataclass(frozen=True)  # hashable: custom_vjp takes it as a static argument
 class _Tiles:
-    """Static description of the tiling: block size, window, scale (hashable for custom_vjp)."""
+    """The tiling: tokens per block, the window (None: full causal), the score scale."""
+    block: int
+    window: int | None
+    scale: float
 
-    def __init__(self, block: int, window: int | None, scale: float):
-        self.block, self.window, self.scale = block, window, scale
-
-    def _key(self):
-        return self.block, self.window, self.scale
-
-    def __hash__(self):
-        return hash(self._key())
-
-    def __eq__(self, other):
-        return isinstance(other, _Tiles) and self._key() == other._key()
-
-    def key_blocks(self, i):
-        """[first, last + 1) of the key blocks that query block i can see."""
-        if self.window is None:
-            return 0, i + 1
-        return jnp.maximum(i * self.block - self.window + 1, 0) // self.block, i + 1
-
-    def query_blocks(self, j, count: int):
-        """[first, last + 1) of the query blocks that can see key block j."""
-        if self.window is None:
-            return j, count
-        last = (j * self.block + self.block - 1 + self.window - 1) // self.block
-        return j, jnp.minimum(last, count - 1) + 1
+    def pairs(self, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(query block, key block) of every tile with a visible pair, of `count` blocks."""
+        i, j = np.tril_indices(count)  # causal: key block <= query block
+        if self.window is not None:  # the key block's last key within the first query's window
+            keep = (j + 1) * self.block - 1 >= i * self.block - self.window + 1
+            i, j = i[keep], j[keep]
+        return i.astype(np.int32), j.astype(np.int32)
 
     def visible(self, i, j, segments_q_Bxb, segments_k_Bxb) -> jax.Array:
         """[B, 1, b, b]: may query i·b + q see key j·b + k."""
@@ -100,10 +94,24 @@ def _rows(a: jax.Array, i, b: int, axis: int = 1) -> jax.Array:
     return lax.dynamic_slice_in_dim(a, i * b, b, axis=axis)
 
 
-def _scores(q_Bxbx, k_Bxbx, tiles: _Tiles) -> jax.Array:
+def _add_rows(a: jax.Array, i, b: int, rows: jax.Array, axis: int = 1) -> jax.Array:
+    return lax.dynamic_update_slice_in_dim(a, _rows(a, i, b, axis) + rows, i * b, axis=axis)
+
+
+def _scores(q_BxNxbxH, k_BxNxbxH, tiles: _Tiles) -> jax.Array:
     """[B, N, b_q, b_k] fp32 scaled scores of a query tile against a key tile."""
-    return jnp.einsum("bqnh,bknh->bnqk", q_Bxbx, k_Bxbx,
+    return jnp.einsum("bnqh,bnkh->bnqk", q_BxNxbxH, k_BxNxbxH,
                       preferred_element_type=jnp.float32) * tiles.scale
+
+
+def _product(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, a.astype(b.dtype), b, preferred_element_type=jnp.float32)
+
+
+# Inside, heads lead ([B, N, L, H]): every tile product is then a plain batched matmul over
+# (B, N), with no transpose per tile; one transpose in and out per pass.
+def _heads_first(a_BxLxNxH: jax.Array) -> jax.Array:
+    return jnp.swapaxes(a_BxLxNxH, 1, 2)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -112,37 +120,31 @@ def _attention(q, k, v, segments, tiles):
 
 
 def _forward(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, segments_BxL, tiles: _Tiles):
-    """Output [B, L, N, H] and log-sum-exp [B, N, L] (fp32) a query block at a time."""
+    """Output [B, L, N, H] and log-sum-exp [B, N, L] (fp32), tile by tile (online softmax)."""
     b = tiles.block
-    B, L, N, H = q_BxLxNxH.shape
+    q, k, v = (_heads_first(a) for a in (q_BxLxNxH, k_BxLxNxH, v_BxLxNxH))
     lowest = jnp.finfo(jnp.float32).min
 
-    def query_block(_, i):
-        q_i, seg_i = _rows(q_BxLxNxH, i, b), _rows(segments_BxL, i, b)
+    def tile(carry, ij):
+        max_BxNxL, sum_BxNxL, acc_BxNxLxH = carry
+        i, j = ij
+        seen = tiles.visible(i, j, _rows(segments_BxL, i, b), _rows(segments_BxL, j, b))
+        s = jnp.where(seen, _scores(_rows(q, i, b, 2), _rows(k, j, b, 2), tiles), lowest)
+        old_max = _rows(max_BxNxL, i, b, 2)
+        new_max = jnp.maximum(old_max, s.max(-1))
+        p = jnp.where(seen, jnp.exp(s - new_max[..., None]), 0.0)
+        rescale = jnp.exp(old_max - new_max)
+        acc_i = (_rows(acc_BxNxLxH, i, b, 2) * rescale[..., None]
+                 + _product("bnqk,bnkh->bnqh", p, _rows(v, j, b, 2)))
+        sum_i = _rows(sum_BxNxL, i, b, 2) * rescale + p.sum(-1)
+        return tuple(lax.dynamic_update_slice_in_dim(whole, part, i * b, axis=2) for whole, part
+                     in ((max_BxNxL, new_max), (sum_BxNxL, sum_i), (acc_BxNxLxH, acc_i))), None
 
-        def key_block(j, carry):
-            max_BxNxb, sum_BxNxb, acc_BxNxbxH = carry
-            seen = tiles.visible(i, j, seg_i, _rows(segments_BxL, j, b))
-            s = jnp.where(seen, _scores(q_i, _rows(k_BxLxNxH, j, b), tiles), lowest)
-            new_max = jnp.maximum(max_BxNxb, s.max(-1))
-            p = jnp.where(seen, jnp.exp(s - new_max[..., None]), 0.0)
-            rescale = jnp.exp(max_BxNxb - new_max)
-            pv = jnp.einsum("bnqk,bknh->bnqh", p.astype(v_BxLxNxH.dtype),
-                            _rows(v_BxLxNxH, j, b), preferred_element_type=jnp.float32)
-            return (new_max, sum_BxNxb * rescale + p.sum(-1),
-                    acc_BxNxbxH * rescale[..., None] + pv)
-
-        init = (jnp.full((B, N, b), lowest), jnp.zeros((B, N, b)), jnp.zeros((B, N, b, H)))
-        first, stop = tiles.key_blocks(i)
-        top, total, acc = lax.fori_loop(first, stop, key_block, init)
-        out_bxNxH = jnp.swapaxes(acc / total[..., None], 1, 2).astype(q_BxLxNxH.dtype)
-        return None, (out_bxNxH, top + jnp.log(total))
-
-    _, (out, lse) = lax.scan(query_block, None, jnp.arange(L // b))
-    # [blocks, B, b, N, H] → [B, L, N, H];  [blocks, B, N, b] → [B, N, L]
-    out_BxLxNxH = jnp.moveaxis(out, 0, 1).reshape(B, L, N, H)
-    lse_BxNxL = jnp.moveaxis(lse, 0, 2).reshape(B, N, L)
-    return out_BxLxNxH, lse_BxNxL
+    B, N, L, H = q.shape
+    init = (jnp.full((B, N, L), lowest), jnp.zeros((B, N, L)), jnp.zeros((B, N, L, H)))
+    (top, total, acc), _ = lax.scan(tile, init, tiles.pairs(L // b))
+    out_BxNxLxH = acc / total[..., None]
+    return _heads_first(out_BxNxLxH).astype(q.dtype), top + jnp.log(total)
 
 
 def _attention_fwd(q, k, v, segments, tiles):
@@ -151,46 +153,32 @@ def _attention_fwd(q, k, v, segments, tiles):
 
 
 def _attention_bwd(tiles: _Tiles, residuals, d_out_BxLxNxH):
-    """Key block by key block: its dK and dV over the query blocks that see it, while dQ
-    accumulates in place; probabilities recomputed from the saved log-sum-exp."""
-    q, k, v, segments, out, lse_BxNxL = residuals
+    """Tile by tile, each tile's probabilities recomputed from the saved log-sum-exp; dQ, dK and
+    dV accumulate a block at a time in whole fp32 arrays."""
+    q, k, v, do = (_heads_first(a) for a in residuals[:3] + (d_out_BxLxNxH,))
+    segments, out, lse_BxNxL = residuals[3:]
     b = tiles.block
-    B, L, N, H = q.shape
-    count = L // b
-    # D_i = Σ_h dO · O: the softmax gradient's per-query term
+    # D = Σ_h dO · O per query: the softmax gradient's row term
     delta_BxNxL = jnp.einsum("blnh,blnh->bnl", d_out_BxLxNxH.astype(jnp.float32),
                              out.astype(jnp.float32))
 
-    def key_block(dq_BxLxNxH, j):
-        k_j, v_j, seg_j = _rows(k, j, b), _rows(v, j, b), _rows(segments, j, b)
+    def tile(grads, ij):
+        dq, dk, dv = grads
+        i, j = ij
+        q_i, do_i, k_j, v_j = _rows(q, i, b, 2), _rows(do, i, b, 2), _rows(k, j, b, 2), \
+            _rows(v, j, b, 2)
+        seen = tiles.visible(i, j, _rows(segments, i, b), _rows(segments, j, b))
+        p = jnp.where(seen, jnp.exp(_scores(q_i, k_j, tiles)
+                                    - _rows(lse_BxNxL, i, b, 2)[..., None]), 0.0)
+        dp = _product("bnqh,bnkh->bnqk", do_i, v_j)
+        ds = p * (dp - _rows(delta_BxNxL, i, b, 2)[..., None]) * tiles.scale
+        return (_add_rows(dq, i, b, _product("bnqk,bnkh->bnqh", ds, k_j), 2),
+                _add_rows(dk, j, b, _product("bnqk,bnqh->bnkh", ds, q_i), 2),
+                _add_rows(dv, j, b, _product("bnqk,bnqh->bnkh", p, do_i), 2)), None
 
-        def query_block(i, carry):
-            dq, dk_BxbxNxH, dv_BxbxNxH = carry
-            q_i, do_i = _rows(q, i, b), _rows(d_out_BxLxNxH, i, b)
-            seen = tiles.visible(i, j, _rows(segments, i, b), seg_j)
-            p = jnp.where(seen, jnp.exp(_scores(q_i, k_j, tiles)
-                                        - _rows(lse_BxNxL, i, b, axis=2)[..., None]), 0.0)
-            dv_BxbxNxH += jnp.einsum("bnqk,bqnh->bknh", p.astype(do_i.dtype), do_i,
-                                     preferred_element_type=jnp.float32)
-            dp = jnp.einsum("bqnh,bknh->bnqk", do_i, v_j, preferred_element_type=jnp.float32)
-            ds = p * (dp - _rows(delta_BxNxL, i, b, axis=2)[..., None]) * tiles.scale
-            dk_BxbxNxH += jnp.einsum("bnqk,bqnh->bknh", ds.astype(q_i.dtype), q_i,
-                                     preferred_element_type=jnp.float32)
-            dq_i = jnp.einsum("bnqk,bknh->bqnh", ds.astype(k_j.dtype), k_j,
-                              preferred_element_type=jnp.float32)
-            dq = lax.dynamic_update_slice_in_dim(dq, _rows(dq, i, b) + dq_i, i * b, axis=1)
-            return dq, dk_BxbxNxH, dv_BxbxNxH
-
-        first, stop = tiles.query_blocks(j, count)
-        zeros = jnp.zeros((B, b, N, H), jnp.float32)
-        dq_BxLxNxH, dk, dv = lax.fori_loop(first, stop, query_block,
-                                           (dq_BxLxNxH, zeros, zeros))
-        return dq_BxLxNxH, (dk, dv)
-
-    dq, (dk, dv) = lax.scan(key_block, jnp.zeros((B, L, N, H), jnp.float32), jnp.arange(count))
-    # [blocks, B, b, N, H] → [B, L, N, H]
-    dk, dv = (jnp.moveaxis(a, 0, 1).reshape(B, L, N, H) for a in (dk, dv))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    zeros = jnp.zeros(q.shape, jnp.float32)
+    (dq, dk, dv), _ = lax.scan(tile, (zeros, zeros, zeros), tiles.pairs(q.shape[2] // b))
+    return (*(_heads_first(g).astype(a.dtype) for g, a in zip((dq, dk, dv), residuals)), None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
