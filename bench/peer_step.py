@@ -7,12 +7,16 @@
 
     python bench/peer_step.py                         # 1 device
     python bench/peer_step.py --mesh 4 2              # fsdp 4 x tp 2 on 8 virtual CPU devices
+    python bench/peer_step.py --seq 2048              # long rows: blockwise attention
 
 Shape (the issue's): 4 layers, d 256, MLP 1,024, 4 heads / 1 KV head, head dim 64, vocab 4,096,
 8 x 256 tokens, fp32. Ours trains on the bundled corpus with document masks; the floor and
 Tunix on random tokens. Steps are timed in alternating rounds (machine noise hits all alike);
 the last line is JSON with `ours_over_floor` and `ours_over_tunix` (median step times), and
-the same for ours with `model.unroll_layers=true`. The floor's layer loop is a scan, as ours.
+the same for ours with `model.unroll_layers=true`, and ours with the blockwise attention against
+ours with XLA's dense one (`model.attention_impl=blockwise` / `xla`; `auto` picks dense below
+1,024 tokens on CPU). `--seq 2048` trains 1 × 2,048-token rows (fsdp rows on a mesh). The
+floor's layer loop is a scan, as ours.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import sys
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mesh", nargs=2, type=int, default=[1, 1], metavar=("FSDP", "TP"))
+    parser.add_argument("--seq", type=int, default=256,
+                        help="tokens per sequence; 2,048 tokens per step (rows >= fsdp)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="steps per round")
     return parser.parse_args()
@@ -47,7 +53,8 @@ from timing import timed  # noqa: E402
 
 LAYERS, D, F, N, K, H, V = 4, 256, 1024, 4, 1, 64, 4096
 # 257 tokens in, 256 predicted: Tunix's loss drops the last position, ours and the floor shift.
-BATCH, SEQ, WINDOW = 8, 256, 128
+SEQ, WINDOW = ARGS.seq, 128
+BATCH = max(2048 // SEQ, ARGS.mesh[0])
 SHAPE = [f"model.num_layers={LAYERS}", f"model.embed_dim={D}", f"model.hidden_dim={F}",
          f"model.num_heads={N}", f"model.num_kv_heads={K}", f"model.head_dim={H}",
          f"model.vocab_size={V}", f"model.sliding_window={WINDOW}", "model.global_every=6",
@@ -216,7 +223,8 @@ def tunix():
 
 def main() -> None:
     runs = {"ours": ours()[0], "ours_unrolled": ours("model.unroll_layers=true")[0],
-            "floor": floor()}
+            "ours_blockwise": ours("model.attention_impl=blockwise")[0],
+            "ours_dense": ours("model.attention_impl=xla")[0], "floor": floor()}
     peer = tunix()
     if peer is not None:
         runs["tunix"] = peer
@@ -228,12 +236,13 @@ def main() -> None:
             times[name].append(timed(run, ARGS.steps))
     median = {name: statistics.median(t) for name, t in times.items()}
     for name, t in median.items():
-        print(f"{name:13s} {t * 1e3:8.1f} ms/step")
+        print(f"{name:18s} {t * 1e3:8.1f} ms/step")
     result = {"mesh": ARGS.mesh, "devices": jax.device_count(),
               "device_kind": jax.devices()[0].device_kind,
               "step_s": {k: round(v, 5) for k, v in median.items()},
               "ours_over_floor": round(median["ours"] / median["floor"], 3),
-              "ours_unrolled_over_floor": round(median["ours_unrolled"] / median["floor"], 3)}
+              "ours_unrolled_over_floor": round(median["ours_unrolled"] / median["floor"], 3),
+              "blockwise_over_dense": round(median["ours_blockwise"] / median["ours_dense"], 3)}
     if "tunix" in median:
         result["ours_over_tunix"] = round(median["ours"] / median["tunix"], 3)
         result["ours_unrolled_over_tunix"] = round(median["ours_unrolled"] / median["tunix"], 3)
