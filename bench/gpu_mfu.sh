@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# MFU on the local GPU(s): gemma3_270m and gemma3_1b, sequences of 2048 tokens, bf16 compute.
+# MFU on the local GPU(s): gemma3_270m and gemma3_1b, sequences of 2048 tokens, bf16 compute;
+# then gemma3_1b at 8,192 and 32,768 tokens (MFU and peak memory), and the attention paths.
 #   bash bench/gpu_mfu.sh                   # from anywhere; dependencies must be importable
 #   MICRO_270M=8 MICRO_1B=16 REMAT_1B=full bash bench/gpu_mfu.sh      # the defaults
 # Attention goes through jax.nn.dot_product_attention: `auto` uses cuDNN's flash attention on
@@ -31,4 +32,21 @@ status=0
 run gemma3_270m "${MICRO_270M:-8}" "${REMAT_270M:-none}" || status=1
 # Full recomputation buys the micro-batch of 16 that keeps the H100 busiest (measured 2026-11-22).
 run gemma3_1b "${MICRO_1B:-16}" "${REMAT_1B:-full}" || status=1
+# Long context, one sequence per device, real packed data: the planner (docs/performance.md)
+# expects 38 GB at 8,192 tokens with save_dots and 30 GB at 32,768 with full recomputation.
+# `auto` takes cuDNN (documents as a bias) at 8,192 and the blockwise attention above it.
+for long in "8192 save_dots" "32768 full"; do
+  set -- $long
+  for impl in auto blockwise; do
+    echo "== gemma3_1b: 1 × seq $1, bf16, remat $2, attention $impl"
+    "$PYTHON" bench/mfu.py model=gemma3_1b data.seq_len="$1" training.mixed_precision=bf16 \
+      training.micro_batch_size=1 training.remat="$2" model.attention_impl="$impl" \
+      'model.mesh_shape=[[-1,1],["fsdp","tp"]]' | tee bench_results/last.txt
+    [ "${PIPESTATUS[0]}" -eq 0 ] && tail -1 bench_results/last.txt >> bench_results/gpu_mfu.jsonl \
+      || status=1
+  done
+done
+# Attention alone, per path (dense, blockwise, cuDNN) and length.
+"$PYTHON" bench/attention.py --dtype bfloat16 --lengths 2048 8192 32768 \
+  | tee -a bench_results/gpu_attention.txt || status=1
 exit $status

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tunix_train import cli  # noqa: E402
 from tunix_train.analysis import flops  # noqa: E402
+from tunix_train.models import layers  # noqa: E402
 from tunix_train.training.setup import Setup  # noqa: E402
 
 WARMUP, ROUNDS, STEPS_PER_ROUND = 3, 5, 5
@@ -52,9 +53,17 @@ def main(overrides: list[str]) -> dict:
 
     run(WARMUP)
     step_s = statistics.median(run(STEPS_PER_ROUND) for _ in range(ROUNDS))
-    # cuDNN's fused attention shows up as custom calls named __cudnn$fmha…
-    cudnn = "__cudnn$fmha" in compiled.as_text()
-    return report(cfg, setup, step_s, compile_s, cudnn)
+    return report(cfg, setup, step_s, compile_s, _attention(cfg, setup, batch, compiled))
+
+
+def _attention(cfg, setup, batch, compiled) -> str:
+    """The attention path the step took: the model's rule (models/layers.py), except that a
+    cuDNN call it refused falls back; cuDNN's fused attention shows up as __cudnn$fmha calls."""
+    if "__cudnn$fmha" in compiled.as_text():
+        return "cudnn"
+    path, _ = layers.attention_path(cfg.model.attention_impl, setup.options.compute_dtype,
+                                    "segment_ids" in batch, cfg.data.seq_len)
+    return layers.without_cudnn(cfg.data.seq_len, "")[0] if path == "cudnn" else path
 
 
 def _batch(setup: Setup):
@@ -66,7 +75,7 @@ def _batch(setup: Setup):
     return batch
 
 
-def report(cfg, setup, step_s: float, compile_s: float, cudnn_attention: bool) -> dict:
+def report(cfg, setup, step_s: float, compile_s: float, attention: str) -> dict:
     devices = jax.devices()
     tokens = setup.tokens_per_step
     per_token = flops.training_flops_per_token(cfg.model, cfg.data.seq_len)
@@ -78,7 +87,8 @@ def report(cfg, setup, step_s: float, compile_s: float, cudnn_attention: bool) -
         "mesh": dict(setup.mesh.shape), "seq_len": cfg.data.seq_len,
         "compute_dtype": np.dtype(setup.options.compute_dtype).name,
         "batch": os.environ.get("MFU_BATCH", "data"),
-        "attention": "cudnn" if cudnn_attention else "xla",
+        "attention": attention,
+        "peak_memory_gb": _peak_memory_gb(devices[0]),
         "tokens_per_step": tokens, "step_s": round(step_s, 5), "compile_s": round(compile_s, 1),
         "tokens_per_s_per_device": round(tokens_per_s_device, 1),
         "model_flops_per_token": per_token,
@@ -86,10 +96,20 @@ def report(cfg, setup, step_s: float, compile_s: float, cudnn_attention: bool) -
     }
     print(f"{cfg.model.name} on {len(devices)} × {devices[0].device_kind}: "
           f"{tokens_per_s_device:,.0f} tokens/s/device, step {step_s * 1e3:.1f} ms, "
-          f"{'cuDNN' if cudnn_attention else 'XLA'} attention, MFU "
+          f"{attention} attention, peak memory "
+          + (f"{result['peak_memory_gb']} GB" if result["peak_memory_gb"] is not None else "n/a")
+          + ", MFU "
           + (f"{mfu:.1%}" if mfu is not None else "n/a (set logging.peak_tflops)"))
     print(json.dumps(result))
     return result
+
+
+def _peak_memory_gb(device) -> float | None:
+    """The device allocator's high-water mark (GB = 1e9 bytes); None where the backend keeps
+    no statistics (CPU)."""
+    stats = device.memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return None if peak is None else round(peak / 1e9, 2)
 
 
 if __name__ == "__main__":

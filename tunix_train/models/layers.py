@@ -210,9 +210,9 @@ class Attention(nnx.Module):
         return q_BxLxNxH, k_BxLxKxH, v_BxLxKxH
 
     def _attention(self, q, k, v, segment_ids_BxL, window: int | None) -> jax.Array:
-        """Causal attention by the path `_attention_path` picks; the path taken is logged once
+        """Causal attention by the path `attention_path` picks; the path taken is logged once
         per process, and a cuDNN refusal under `auto` is a warning saying why."""
-        path, why = _attention_path(self.implementation, q.dtype, segment_ids_BxL is not None,
+        path, why = attention_path(self.implementation, q.dtype, segment_ids_BxL is not None,
                                     q.shape[1])
         if path == "blockwise":
             _report_once(logging.INFO, f"attention: blockwise ({why})")
@@ -238,7 +238,7 @@ class Attention(nnx.Module):
         except (ValueError, NotImplementedError, RuntimeError, TypeError) as refusal:
             reason = str(refusal).strip().splitlines()[0][:200] if str(refusal) else \
                 type(refusal).__name__
-            path, _ = _without_cudnn(q.shape[1], "")
+            path, _ = without_cudnn(q.shape[1], "")
             _report_once(logging.WARNING, f"attention: cuDNN refused this call ({reason}); "
                                           f"using the {path} attention")
             if path == "xla":
@@ -252,16 +252,18 @@ class Attention(nnx.Module):
         return project(out_BxLxNxH, self.o[...], contract=2)
 
 
-# Above this many tokens a document mask would reach cuDNN as a [B, N, L, L] bias of at least
-# 2 GB per sequence (bf16, 4 heads; and as much again for its gradient): blockwise instead.
+# Above this many tokens packed documents take the blockwise attention: cuDNN would get their
+# mask as a [B, N, L, L] bias, per sequence 0.54 GB at 8,192 tokens and 8.6 GB at 32,768
+# (bf16, 4 heads), and as much again for its gradient.
 CUDNN_BIAS_MAX_TOKENS = 8192
 # Without cuDNN: from this many tokens blockwise is faster than dense on CPU for head dims 64
 # and 256 (bench/attention.py); below it dense wins at head dim 256 and its scores are small.
 BLOCKWISE_MIN_TOKENS = 1024
 
 
-def _attention_path(implementation: str, dtype, masked: bool, length: int) -> tuple[str, str]:
-    """(path, why): "cudnn", "blockwise" (models/blockwise.py) or "xla" (dense scores)."""
+def attention_path(implementation: str, dtype, masked: bool, length: int) -> tuple[str, str]:
+    """(path, why): "cudnn", "blockwise" (models/blockwise.py) or "xla" (dense scores), for
+    `model.attention_impl`, the compute dtype, whether documents are masked and the length."""
     if implementation in ("xla", "blockwise", "cudnn"):
         return implementation, f"model.attention_impl={implementation}"
     if jax.default_backend() != "gpu":
@@ -274,10 +276,11 @@ def _attention_path(implementation: str, dtype, masked: bool, length: int) -> tu
                             f"[B, N, L, L] bias (above {CUDNN_BIAS_MAX_TOKENS} tokens)"
     else:
         return "cudnn", "model.attention_impl=auto on a GPU"
-    return _without_cudnn(length, why)
+    return without_cudnn(length, why)
 
 
-def _without_cudnn(length: int, why: str) -> tuple[str, str]:
+def without_cudnn(length: int, why: str) -> tuple[str, str]:
+    """The path where cuDNN is not used: blockwise from BLOCKWISE_MIN_TOKENS, dense below."""
     if length >= BLOCKWISE_MIN_TOKENS:
         return "blockwise", f"{why}; {length} tokens >= {BLOCKWISE_MIN_TOKENS}"
     return "xla", f"{why}; {length} tokens < {BLOCKWISE_MIN_TOKENS}, where dense is faster"
