@@ -4,8 +4,9 @@ sequence length, in one process: XLA's dense attention (the baseline), our block
 
     python bench/attention.py                                   # CPU: fp32
     python bench/attention.py --dtype bfloat16 --lengths 2048 8192 32768   # on a GPU
+    python bench/attention.py --head-dim 64 --lengths 256 512              # small heads
 
-Gemma 3 1B's attention shape (4 query heads, 1 KV head, head dim 256), packed documents (a
+Gemma 3 1B's attention shape (4 query heads, 1 KV head, head dim 256 unless --head-dim), packed documents (a
 segment mask: dense and cuDNN get it as a mask / bias, blockwise as segment ids), 8,192 tokens
 per call (batch = 8,192 / length, at least 1), a global layer (full causal) and a local one
 (window 512). Calls are timed in alternating rounds; each line gives the milliseconds of every
@@ -27,13 +28,14 @@ from timing import timed
 from tunix_train.models import blockwise
 from tunix_train.models.layers import _mask_as_bias
 
-HEADS, KV_HEADS, HEAD_DIM, WINDOW, TOKENS = 4, 1, 256, 512, 8192
+HEADS, KV_HEADS, WINDOW, TOKENS = 4, 1, 512, 8192
 
 
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--lengths", nargs="+", type=int, default=[256, 1024, 4096])
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--head-dim", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
     return parser.parse_args()
 
@@ -76,8 +78,8 @@ def main() -> None:
     results = []
     for length in args.lengths:
         batch = max(TOKENS // length, 1)
-        q = jnp.asarray(rng.normal(size=(batch, length, HEADS, HEAD_DIM)), dtype)
-        k, v = (jnp.asarray(rng.normal(size=(batch, length, KV_HEADS, HEAD_DIM)), dtype)
+        q = jnp.asarray(rng.normal(size=(batch, length, HEADS, args.head_dim)), dtype)
+        k, v = (jnp.asarray(rng.normal(size=(batch, length, KV_HEADS, args.head_dim)), dtype)
                 for _ in range(2))
         # Documents of ~length/3 tokens on average, ids increasing along each row.
         segments = jnp.asarray(np.sort(rng.integers(0, 3, size=(batch, length)), axis=1))
@@ -100,6 +102,7 @@ def main() -> None:
             results.append({"length": length, "batch": batch, "layer": layer, "ms": ms,
                             "over_dense": ratio, "failed": failed})
     print(json.dumps({"device_kind": jax.devices()[0].device_kind, "dtype": dtype.name,
+                      "head_dim": args.head_dim,
                       "results": results}))
 
 

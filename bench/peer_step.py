@@ -15,7 +15,7 @@ Tunix on random tokens. Steps are timed in alternating rounds (machine noise hit
 the last line is JSON with `ours_over_floor` and `ours_over_tunix` (median step times), and
 the same for ours with `model.unroll_layers=true`, and ours with the blockwise attention against
 ours with XLA's dense one (`model.attention_impl=blockwise` / `xla`; `auto` picks dense below
-1,024 tokens on CPU). `--seq 2048` trains 1 × 2,048-token rows (fsdp rows on a mesh). The
+512 tokens on CPU). `--seq 2048` trains 1 × 2,048-token rows (fsdp rows on a mesh). The
 floor's layer loop is a scan, as ours.
 """
 

@@ -94,7 +94,7 @@ def test_the_train_step_with_blockwise_attention_equals_dense_on_a_sharded_mesh(
 
 
 def test_auto_picks_cudnn_on_a_gpu_unless_a_document_bias_would_be_large(monkeypatch):
-    path_of = layers._attention_path
+    path_of = layers.attention_path
     monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
     bf16, long = jnp.bfloat16, layers.CUDNN_BIAS_MAX_TOKENS * 2
     assert path_of("auto", bf16, masked=True, length=2048)[0] == "cudnn"

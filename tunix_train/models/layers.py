@@ -258,7 +258,7 @@ class Attention(nnx.Module):
 CUDNN_BIAS_MAX_TOKENS = 8192
 # Without cuDNN: from this many tokens blockwise is faster than dense on CPU for head dims 64
 # and 256 (bench/attention.py); below it dense wins at head dim 256 and its scores are small.
-BLOCKWISE_MIN_TOKENS = 1024
+BLOCKWISE_MIN_TOKENS = 512
 
 
 def attention_path(implementation: str, dtype, masked: bool, length: int) -> tuple[str, str]:
