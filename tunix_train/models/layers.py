@@ -283,7 +283,7 @@ def without_cudnn(length: int, why: str) -> tuple[str, str]:
     """The path where cuDNN is not used: blockwise from BLOCKWISE_MIN_TOKENS, dense below."""
     if length >= BLOCKWISE_MIN_TOKENS:
         return "blockwise", f"{why}; {length} tokens >= {BLOCKWISE_MIN_TOKENS}"
-    return "xla", f"{why}; {length} tokens < {BLOCKWISE_MIN_TOKENS}, where dense is faster"
+    return "xla", f"{why}; {length} tokens < {BLOCKWISE_MIN_TOKENS}"
 
 
 _REPORTED: set[str] = set()
