@@ -83,20 +83,22 @@ def test_two_processes_reproduce_the_single_process_losses(tmp_path, reference, 
 
 def test_pipeline_stages_in_two_processes_reproduce_the_run_without_pp(tmp_path):
     """pp=2 across 2 processes of 2 devices (a stage per process) against fsdp 2 × tp 2 in
-    one process: the same losses."""
+    one process: the same losses, with GPipe and with the circular schedule (2 rounds, whose
+    ring edge returns each micro-batch from the last process to the first)."""
     model = [*TINY, *STEPS, "model.num_layers=9", "model.global_every=2"]
     run_dir = tmp_path / "single" / "run"
     result = run_cli([*model, mesh_arg(2, 2), f"hydra.run.dir={run_dir}"], cwd=tmp_path,
                      env_extra=devices_env(4))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    (tmp_path / "launched").mkdir()
-    proc = launch([*model, 'model.mesh_shape=[[2,2,1],["pp","fsdp","tp"]]'],
-                  tmp_path / "launched", devices_env(2))
-    output, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, output[-3000:]
-    assert "pp=2" in output
-    np.testing.assert_allclose(losses(only_run_dir(tmp_path / "launched")), losses(run_dir),
-                               rtol=1e-5)
+    for repeats in (1, 2):
+        launched = tmp_path / f"launched_{repeats}"
+        launched.mkdir()
+        proc = launch([*model, 'model.mesh_shape=[[2,2,1],["pp","fsdp","tp"]]',
+                       f"training.pipeline_repeats={repeats}"], launched, devices_env(2))
+        output, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, output[-3000:]
+        assert "pp=2" in output and (", circular" in output) == (repeats == 2)
+        np.testing.assert_allclose(losses(only_run_dir(launched)), losses(run_dir), rtol=1e-5)
 
 
 def test_two_launchers_act_as_two_nodes(tmp_path, reference):
