@@ -137,3 +137,27 @@ def test_the_planners_flop_count_is_the_tiles_visited(window):
     assert module.warnings == []
     assert hlo.flops(module) == 7 * tiles * 2 * B * N * block * block * H
 
+
+
+def test_in_bf16_it_is_as_close_to_fp32_attention_as_dense_bf16_is():
+    """The GPU path computes in bf16 (scores and sums in fp32, probabilities cast to bf16 for
+    their products): its error against fp32 attention stays within twice dense bf16's."""
+    q, k, v, weights, segments = inputs(length=256, head_dim=64)
+
+    def grads(fn, dtype):
+        cast = [a.astype(dtype) for a in (q, k, v)]
+        return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * weights),
+                        argnums=(0, 1, 2))(*cast)
+
+    def ours(q, k, v):
+        return blockwise.attention(q, k, v, segments, scale=0.125, window=48, block=64)
+
+    def reference(q, k, v):
+        return dense(q, k, v, segments, 48, 0.125)
+
+    exact = grads(reference, jnp.float32)
+    for got, dense_bf16, want in zip(grads(ours, jnp.bfloat16), grads(reference, jnp.bfloat16),
+                                     exact):
+        error = float(jnp.abs(got.astype(jnp.float32) - want).max())
+        dense_error = float(jnp.abs(dense_bf16.astype(jnp.float32) - want).max())
+        assert error <= 2 * dense_error
