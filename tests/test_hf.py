@@ -57,6 +57,15 @@ def test_imported_model_matches_transformers_logits(reference, single_device, to
     np.testing.assert_allclose(our_logits(setup, params, tokens), expected, atol=1e-4, rtol=0)
 
 
+def test_blockwise_attention_matches_transformers_logits(reference):
+    """200 tokens in 4 blocks of 64 (the last one padded), windows of 8: the blockwise path
+    against transformers' own (eager) attention."""
+    setup, params = imported(reference[0], 1, 1, "model.attention_impl=blockwise")
+    tokens = np.random.default_rng(1).integers(0, 320, (2, 200))
+    np.testing.assert_allclose(our_logits(setup, params, tokens),
+                               hf_reference.logits(reference[1], tokens), atol=1e-4, rtol=0)
+
+
 def test_dimensions_come_from_config_json(single_device):
     model = single_device[0].cfg.model
     assert (model.num_layers, model.embed_dim, model.num_heads, model.num_kv_heads) == (7, 64, 4, 2)
