@@ -100,11 +100,11 @@ def _add_rows(a: jax.Array, i, b: int, rows: jax.Array, axis: int = 1) -> jax.Ar
 
 def _scores(q_BxNxbxH, k_BxNxbxH, tiles: _Tiles) -> jax.Array:
     """[B, N, b_q, b_k] fp32 scaled scores of a query tile against a key tile."""
-    return jnp.einsum("bnqh,bnkh->bnqk", q_BxNxbxH, k_BxNxbxH,
-                      preferred_element_type=jnp.float32) * tiles.scale
+    return _product("bnqh,bnkh->bnqk", q_BxNxbxH, k_BxNxbxH) * tiles.scale
 
 
 def _product(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """einsum in b's dtype (a cast to it: fp32 probabilities meet bf16 values), fp32 out."""
     return jnp.einsum(spec, a.astype(b.dtype), b, preferred_element_type=jnp.float32)
 
 

@@ -214,38 +214,51 @@ class Attention(nnx.Module):
         per process, and a cuDNN refusal under `auto` is a warning saying why."""
         path, why = attention_path(self.implementation, q.dtype, segment_ids_BxL is not None,
                                     q.shape[1])
-        if path == "blockwise":
+        if path == "cudnn":
+            out, path = self._cudnn(q, k, v, segment_ids_BxL, window)
+            if out is not None:
+                return out
+        elif path == "blockwise":
             _report_once(logging.INFO, f"attention: blockwise ({why})")
+        else:
+            _report_once(logging.INFO, f"attention: XLA, [B, N, L, L] scores ({why})")
+        if path == "blockwise":
             return blockwise.attention(q, k, v, segment_ids_BxL, scale=self.scale, window=window)
-        call = functools.partial(jax.nn.dot_product_attention, q, k, v, scale=self.scale,
-                                 is_causal=True,
-                                 local_window_size=(window - 1, 0) if window else None)
+        return self._library(q, k, v, segment_ids_BxL, window, cudnn=False)
+
+    def _cudnn(self, q, k, v, segment_ids_BxL, window) -> tuple[jax.Array | None, str]:
+        """(cuDNN's output, "cudnn"), or (None, the path to take instead) when `auto` meets a
+        refusal. cuDNN's own checks run while tracing, so falling back is free."""
+        chosen = "cuDNN fused flash attention" + (
+            "" if segment_ids_BxL is None else
+            ", document masks as an additive [B, N, L, L] bias")
+        if self.implementation == "cudnn":  # asked for by name: a refusal is the user's error
+            out = self._library(q, k, v, segment_ids_BxL, window, cudnn=True)
+        else:
+            try:
+                out = self._library(q, k, v, segment_ids_BxL, window, cudnn=True)
+            except (ValueError, NotImplementedError, RuntimeError, TypeError) as refusal:
+                reason = str(refusal).strip().splitlines()[0][:200] if str(refusal) else \
+                    type(refusal).__name__
+                path, _ = without_cudnn(q.shape[1], "")
+                _report_once(logging.WARNING, f"attention: cuDNN refused this call ({reason}); "
+                                              f"using the {path} attention")
+                return None, path
+        _report_once(logging.INFO, f"attention: {chosen}")
+        return out, "cudnn"
+
+    def _library(self, q, k, v, segment_ids_BxL, window, cudnn: bool) -> jax.Array:
+        """`jax.nn.dot_product_attention`: XLA's with the document mask, or cuDNN's with it as
+        an additive bias per head (the only form cuDNN's batching rule accepts)."""
         mask = None if segment_ids_BxL is None else \
             segment_ids_BxL[:, None, :, None] == segment_ids_BxL[:, None, None, :]
-        if path == "xla":
-            _report_once(logging.INFO, f"attention: XLA, [B, N, L, L] scores ({why})")
-            return call(mask=mask, implementation="xla")
-        # cuDNN's batching rule takes a document mask only as an additive bias per head.
-        bias = None if mask is None else _mask_as_bias(mask, q.shape[2], q.dtype)
-        chosen = "cuDNN fused flash attention" + (
-            "" if mask is None else ", document masks as an additive [B, N, L, L] bias")
-        if self.implementation == "cudnn":  # asked for by name: a refusal is the user's error
-            out = call(bias=bias, implementation="cudnn")
-            _report_once(logging.INFO, f"attention: {chosen}")
-            return out
-        try:  # cuDNN's own checks run while tracing, so falling back is free
-            out = call(bias=bias, implementation="cudnn")
-        except (ValueError, NotImplementedError, RuntimeError, TypeError) as refusal:
-            reason = str(refusal).strip().splitlines()[0][:200] if str(refusal) else \
-                type(refusal).__name__
-            path, _ = without_cudnn(q.shape[1], "")
-            _report_once(logging.WARNING, f"attention: cuDNN refused this call ({reason}); "
-                                          f"using the {path} attention")
-            if path == "xla":
-                return call(mask=mask, implementation="xla")
-            return blockwise.attention(q, k, v, segment_ids_BxL, scale=self.scale, window=window)
-        _report_once(logging.INFO, f"attention: {chosen}")
-        return out
+        bias = None
+        if cudnn and mask is not None:
+            bias, mask = _mask_as_bias(mask, q.shape[2], q.dtype), None
+        return jax.nn.dot_product_attention(
+            q, k, v, bias=bias, mask=mask, scale=self.scale, is_causal=True,
+            local_window_size=(window - 1, 0) if window else None,
+            implementation="cudnn" if cudnn else "xla")
 
     def _output(self, out_BxLxNxH: jax.Array) -> jax.Array:
         out_BxLxNxH = constrain(out_BxLxNxH, ("act_batch", "act_seq", "act_q_heads", None))
