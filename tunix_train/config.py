@@ -40,7 +40,7 @@ class ModelConfig:
     global_rope_scale: float = 1.0  # linear RoPE scaling on global layers (8 for 4B)
     query_pre_attn_scalar: Optional[float] = None  # softmax scale is its -1/2 power; None = head_dim
     rms_norm_eps: float = 1e-6
-    attention_impl: str = "auto"  # auto (cudnn on GPUs where it applies, else blockwise) | blockwise | cudnn | xla
+    attention_impl: str = "auto"  # auto (cudnn on GPUs where it applies, else blockwise) | blockwise | cudnn | pallas | xla
     unroll_layers: bool = False  # unroll the scans over layers: faster steps on CPU (1.4x on
     # bench/peer_step.py), compile time grows with depth; docs/performance.md
     init_from: Optional[str] = None  # hf:<dir> = dimensions and weights of a Hugging Face checkpoint
@@ -262,7 +262,7 @@ _CHOICES = {
     ("training", "remat"): ("none", "full", "save_dots"),
     ("training", "nan_policy"): ("halt", "skip"),
     ("training", "grad_reduce_dtype"): ("auto", "fp32"),
-    ("model", "attention_impl"): ("auto", "blockwise", "cudnn", "xla"),
+    ("model", "attention_impl"): ("auto", "blockwise", "cudnn", "pallas", "xla"),
     ("logging", "progress"): ("auto", "always", "never"),
     ("data", "packing"): ("concat", "first_fit"),
     ("data", "dtype"): ("uint16", "uint32"),
@@ -329,6 +329,9 @@ def validate(cfg: Config) -> None:
             f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads="
             f"{m.num_kv_heads} (grouped-query attention); change one of them."
         )
+    if m.attention_impl == "pallas" and (m.head_dim < 16 or m.head_dim & (m.head_dim - 1)):
+        raise ConfigError(f"model.attention_impl=pallas needs a power-of-two model.head_dim of at "
+                          f"least 16, not {m.head_dim}; use model.attention_impl=blockwise.")
     _validate_data(cfg.data)
     accum, sync = cfg.training.gradient_accumulation_steps, cfg.training.sync_gradients_every
     if accum % sync:

@@ -17,8 +17,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from tunix_train.config import ModelConfig
-from tunix_train.models import blockwise, head, kv_cache
+from tunix_train.models import blockwise, flash, head, kv_cache
 from tunix_train.models.params import materialize, take
+from tunix_train.models import partitioning
 from tunix_train.models.partitioning import constrain
 
 log = logging.getLogger("tunix_train")
@@ -218,12 +219,12 @@ class Attention(nnx.Module):
             out, path = self._cudnn(q, k, v, segment_ids_BxL, window)
             if out is not None:
                 return out
-        elif path == "blockwise":
-            _report_once(logging.INFO, f"attention: blockwise ({why})")
         else:
-            _report_once(logging.INFO, f"attention: XLA, [B, N, L, L] scores ({why})")
+            _report_once(logging.INFO, f"attention: {_PATHS[path]} ({why})")
         if path == "blockwise":
             return blockwise.attention(q, k, v, segment_ids_BxL, scale=self.scale, window=window)
+        if path == "pallas":
+            return self._pallas(q, k, v, segment_ids_BxL, window)
         return self._library(q, k, v, segment_ids_BxL, window, cudnn=False)
 
     def _cudnn(self, q, k, v, segment_ids_BxL, window) -> tuple[jax.Array | None, str]:
@@ -260,10 +261,29 @@ class Attention(nnx.Module):
             local_window_size=(window - 1, 0) if window else None,
             implementation="cudnn" if cudnn else "xla")
 
+    def _pallas(self, q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, window) -> jax.Array:
+        """models/flash.py's kernels on each device's rows and heads (XLA cannot partition a
+        Pallas call: it would gather all of them onto every device)."""
+        N, K = q_BxLxNxH.shape[2], k_BxLxKxH.shape[2]
+        if K % partitioning.ways("act_q_heads"):
+            # The query heads split over devices, their KV heads cannot (one KV head): each
+            # device's kernel gets its own heads' copies.
+            k_BxLxKxH, v_BxLxKxH = (jnp.repeat(a, N // K, axis=2) for a in (k_BxLxKxH, v_BxLxKxH))
+        if segment_ids_BxL is None:
+            segment_ids_BxL = jnp.zeros(q_BxLxNxH.shape[:2], jnp.int32)
+        heads = ("act_batch", None, "act_q_heads", None)
+        return partitioning.per_device(
+            functools.partial(flash.attention, scale=self.scale, window=window),
+            (q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL),
+            (heads, heads, heads, ("act_batch", None)), heads)
+
     def _output(self, out_BxLxNxH: jax.Array) -> jax.Array:
         out_BxLxNxH = constrain(out_BxLxNxH, ("act_batch", "act_seq", "act_q_heads", None))
         return project(out_BxLxNxH, self.o[...], contract=2)
 
+
+_PATHS = {"blockwise": "blockwise", "xla": "XLA, [B, N, L, L] scores",
+          "pallas": "Pallas flash attention kernels"}
 
 # Above this many tokens packed documents take the blockwise attention: cuDNN would get their
 # mask as a [B, N, L, L] bias, per sequence 0.54 GB at 8,192 tokens and 8.6 GB at 32,768
@@ -275,9 +295,13 @@ BLOCKWISE_MIN_TOKENS = 512
 
 
 def attention_path(implementation: str, dtype, masked: bool, length: int) -> tuple[str, str]:
-    """(path, why): "cudnn", "blockwise" (models/blockwise.py) or "xla" (dense scores), for
-    `model.attention_impl`, the compute dtype, whether documents are masked and the length."""
-    if implementation in ("xla", "blockwise", "cudnn"):
+    """(path, why): "cudnn", "blockwise" (models/blockwise.py), "pallas" (models/flash.py) or
+    "xla" (dense scores), for `model.attention_impl`, the compute dtype, whether documents are
+    masked and the length. `auto` never picks pallas: its speed on a GPU is not measured yet."""
+    if implementation == "pallas" and jax.default_backend() != "gpu":
+        return "pallas", f"model.attention_impl=pallas on {jax.default_backend()}: through " \
+                         f"Pallas's interpreter, exact but slow; the kernels are for GPUs"
+    if implementation in ("xla", "blockwise", "cudnn", "pallas"):
         return implementation, f"model.attention_impl={implementation}"
     if jax.default_backend() != "gpu":
         why = f"model.attention_impl=auto on {jax.default_backend()}: cuDNN needs a GPU"

@@ -8,6 +8,8 @@ the model runs unchanged on one device, in tests, and under `eval_shape`.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 from flax.core import spmd as flax_spmd
 from jax.sharding import PartitionSpec as P
@@ -22,3 +24,45 @@ def constrain(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
     axes = [rules.get(name) if name else None for name in logical_axes]
     axes = [a if a and dim % mesh.shape[a] == 0 else None for a, dim in zip(axes, x.shape)]
     return jax.lax.with_sharding_constraint(x, P(*axes))
+
+
+
+def per_device(fn: Callable, args: tuple[jax.Array, ...],
+               arg_axes: tuple[tuple[str | None, ...], ...],
+               out_axes: tuple[str | None, ...]) -> jax.Array:
+    """`fn(*args)` on each device's block, split by logical names over the mesh axes XLA
+    partitions (a `shard_map` over them; axes already manual, as fsdp inside the train step's
+    own shard_map, are left alone). For a kernel XLA cannot partition, a Pallas call: left to
+    XLA it would gather every input whole onto every device. A mesh axis that does not divide
+    every dimension its name labels leaves those dimensions whole (computed on each device)."""
+    sizes: dict[str, list[int]] = {}  # logical name → the sizes of the dimensions it labels
+    for arg, names in zip(args, arg_axes):
+        for name, dim in zip(names, arg.shape):
+            if name:
+                sizes.setdefault(name, []).append(dim)
+    axis_of = {name: axis for name, axis in _auto_axes(sizes).items()
+               if all(dim % jax.sharding.get_abstract_mesh().shape[axis] == 0
+                      for dim in sizes[name])}
+    if not axis_of:
+        return fn(*args)
+    spec = lambda names: P(*(axis_of.get(name) if name else None for name in names))  # noqa: E731
+    return jax.shard_map(fn, in_specs=tuple(spec(names) for names in arg_axes),
+                         out_specs=spec(out_axes), axis_names=set(axis_of.values()),
+                         check_vma=False)(*args)
+
+
+def ways(name: str) -> int:
+    """Into how many blocks `per_device` would split a dimension labelled `name` that divides."""
+    axis = _auto_axes([name]).get(name)
+    return jax.sharding.get_abstract_mesh().shape[axis] if axis else 1
+
+
+def _auto_axes(names) -> dict[str, str]:
+    """Logical name → the mesh axis the rules map it to, where XLA partitions that axis (not
+    manual) and it has more than one device."""
+    rules = dict(flax_spmd.get_logical_axis_rules())
+    mesh = jax.sharding.get_abstract_mesh()
+    if not rules or mesh.empty:
+        return {}
+    return {name: rules[name] for name in names
+            if rules.get(name) in mesh.auto_axes and mesh.shape[rules[name]] > 1}

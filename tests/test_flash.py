@@ -1,0 +1,178 @@
+"""The Pallas flash attention kernels (models/flash.py) against XLA's dense attention, run by
+Pallas's interpreter on CPU; their loop bounds against brute force; what they lower to for a
+GPU (Triton kernels, no [L, L] array, each device's own heads on a mesh), compiled here without
+one; and the real train step with them on a sharded mesh."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType
+
+from helpers import TINY, compose_config, mesh_arg, train_losses
+from test_blockwise import dense, inputs
+from tunix_train.config import ConfigError, ModelConfig, validate
+from tunix_train.models import flash, layers
+from tunix_train.parallel import sharding
+
+
+def value_and_grads(fn, q, k, v, weights):
+    return jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) * weights),
+                              argnums=(0, 1, 2))(q, k, v)
+
+
+# 96 tokens: blocks of 16 divide them; a block of 64 pads them to 128.
+@pytest.mark.parametrize("block,window,packed", [
+    (16, None, True), (16, 18, True), (16, 7, True), (16, None, False),
+    (64, None, True), (64, 7, True)])
+def test_outputs_and_gradients_equal_dense_attention(block, window, packed):
+    """4 query heads reading 2 KV heads; fp32, 1e-5 relative."""
+    q, k, v, weights, segments = inputs(head_dim=16)
+    segments = segments if packed else None
+    got = value_and_grads(lambda q, k, v: flash.attention(
+        q, k, v, segments, scale=0.3, window=window, block=block), q, k, v, weights)
+    want = value_and_grads(lambda q, k, v: dense(q, k, v, segments, window, 0.3), q, k, v,
+                           weights)
+    np.testing.assert_allclose(
+        flash.attention(q, k, v, segments, scale=0.3, window=window, block=block),
+        dense(q, k, v, segments, window, 0.3), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for g, w in zip(got[1], want[1]):  # dq, dk, dv (dk and dv summed over each KV head's group)
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.abs(w).max()))
+
+
+@pytest.mark.parametrize("window", [None, 1, 2, 20, 33, 34, 64, 100])
+def test_each_program_visits_exactly_the_blocks_with_a_visible_pair(window):
+    """Loop bounds against brute force over positions: a bound too wide would cost work the
+    numerics cannot see, one too narrow would drop keys."""
+    L, b = 512, 32
+    tiles = flash._Tiles(b, window, 1.0, 1, True, 4)
+    position = np.arange(L)
+    sees = position[None, :] <= position[:, None]  # [query, key]
+    if window:
+        sees &= position[:, None] - position[None, :] < window
+    blocks = sees.reshape(L // b, b, L // b, b).any(axis=(1, 3))  # [query block, key block]
+    for i in range(L // b):
+        first, end = tiles.key_blocks(i)
+        assert list(range(int(first), int(end))) == list(np.flatnonzero(blocks[i]))
+        first, end = tiles.query_blocks(i, L // b)
+        assert list(range(int(first), int(end))) == list(np.flatnonzero(blocks[:, i]))
+
+
+def test_in_bf16_it_is_as_close_to_fp32_attention_as_dense_bf16_is():
+    """Scores, sums and accumulators in fp32, operands in bf16, as on a GPU: the error against
+    fp32 attention stays within twice dense bf16's."""
+    q, k, v, weights, segments = inputs(length=128, head_dim=32)
+
+    def grads(fn, dtype):
+        cast = [a.astype(dtype) for a in (q, k, v)]
+        return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * weights),
+                        argnums=(0, 1, 2))(*cast)
+
+    def ours(q, k, v):
+        return flash.attention(q, k, v, segments, scale=0.125, window=48, block=32)
+
+    def reference(q, k, v):
+        return dense(q, k, v, segments, 48, 0.125)
+
+    exact = grads(reference, jnp.float32)
+    for got, dense_bf16, want in zip(grads(ours, jnp.bfloat16), grads(reference, jnp.bfloat16),
+                                     exact):
+        error = float(jnp.abs(got.astype(jnp.float32) - want).max())
+        dense_error = float(jnp.abs(dense_bf16.astype(jnp.float32) - want).max())
+        assert error <= 2 * dense_error
+
+
+def triton_calls(fn, *shapes) -> list[tuple[str, str]]:
+    """(kernel name, operand types) of each Triton kernel in `fn`'s program lowered for CUDA
+    (lowering needs no GPU); also asserts that nothing in it is [L, L]-sized."""
+    text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    length = shapes[0].shape[1]
+    assert not re.search(rf"tensor<([0-9]+x)*{length}x([0-9]+x)*{length}x", text)
+    return re.findall(r'custom_call @__gpu\$xla\.gpu\.triton\(.*?name = "(\w+)".*?: \((.*?)\) ->',
+                      text)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,window", [(4, 1, 256, 512), (8, 4, 256, None),
+                                                            (4, 1, 64, 128)])
+def test_for_a_gpu_it_lowers_to_three_triton_kernels_and_no_square_array(heads, kv_heads,
+                                                                          head_dim, window):
+    """Gemma 3's heads at 8,192 tokens: the forward pass and the backward pass's dQ and dK/dV
+    kernels, with no [L, L] scores, mask or bias anywhere in the program."""
+    L = 8192
+    q = jax.ShapeDtypeStruct((1, L, heads, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, L, kv_heads, head_dim), jnp.bfloat16)
+    segments = jax.ShapeDtypeStruct((1, L), jnp.int32)
+
+    def loss(q, k, v, s):
+        out = flash.attention(q, k, v, s, scale=0.06, window=window, interpret=False)
+        return out.astype(jnp.float32).sum()
+
+    calls = triton_calls(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, segments)
+    assert [name for name, _ in calls] == ["flash_forward", "flash_dq", "flash_dkv"]
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_on_a_mesh_each_device_runs_the_kernels_on_its_own_rows_and_heads(monkeypatch,
+                                                                          kv_heads):
+    """fsdp 2 × tp 4 outside the train step's shard_map (the evaluation step's case): each
+    kernel gets a quarter of the 8 query heads and half the rows. KV heads split with them
+    where tp divides them (4), else each device gets copies of its own heads' (2)."""
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2,
+                         devices=jax.devices()[:8])
+    attention = layers.Attention(ModelConfig(embed_dim=32, num_heads=8, num_kv_heads=kv_heads,
+                                             head_dim=64), nnx.Rngs(0))
+
+    def loss(q, k, v, s):
+        with sharding.activate(mesh, tuple(sharding.RULES.items())):
+            return attention._pallas(q, k, v, s, 16).astype(jnp.float32).sum()
+
+    q = jax.ShapeDtypeStruct((4, 128, 8, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((4, 128, kv_heads, 64), jnp.bfloat16)
+    segments = jax.ShapeDtypeStruct((4, 128), jnp.int32)
+    calls = triton_calls(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, segments)
+    local_kv = kv_heads // 4 if kv_heads % 4 == 0 else 2
+    assert len(calls) == 3
+    for _, operands in calls:
+        assert operands.startswith(f"tensor<2x128x2x64xbf16>, tensor<2x128x{local_kv}x64xbf16>")
+
+
+def test_the_train_step_with_the_kernels_equals_dense_on_a_sharded_mesh():
+    """Packed documents, 128 tokens in blocks of 64, local layers' window of 16: 3 steps with
+    the Pallas kernels on pp 2 × fsdp 2 × tp 2 (one KV head copied to each tp device's query
+    heads, inside the pipeline's stages) give the losses of XLA's dense attention on fsdp 2 ×
+    tp 2."""
+    common = [*TINY, "model.num_layers=9", "model.global_every=2", "data.seq_len=128",
+              "training.global_batch_size=8"]
+    pipelined = 'model.mesh_shape=[[2,2,2],["pp","fsdp","tp"]]'
+    got, _ = train_losses(compose_config(*common, pipelined, "model.attention_impl=pallas"), 3)
+    want, _ = train_losses(compose_config(*common, mesh_arg(2, 2), "model.attention_impl=xla"),
+                           3, jax.devices()[:4])
+    assert want[-1] < want[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_auto_never_picks_the_kernels_and_by_name_on_cpu_says_they_are_interpreted(monkeypatch):
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+    for masked in (False, True):
+        for length in (256, 2048, 65536):
+            assert layers.attention_path("auto", jnp.bfloat16, masked, length)[0] != "pallas"
+    assert layers.attention_path("pallas", jnp.bfloat16, True, 2048) == (
+        "pallas", "model.attention_impl=pallas")
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: "cpu")
+    path, why = layers.attention_path("pallas", jnp.float32, True, 2048)
+    assert path == "pallas" and "interpreter" in why
+
+
+@pytest.mark.parametrize("head_dim", [8, 24, 96])
+def test_a_head_dim_the_kernels_cannot_tile_is_refused_by_name(head_dim):
+    cfg = compose_config("model.attention_impl=pallas", f"model.head_dim={head_dim}")
+    with pytest.raises(ConfigError, match=rf"model.head_dim of at least 16, not {head_dim}; "
+                                          "use model.attention_impl=blockwise"):
+        validate(cfg)
+    assert not flash.supported_head_dim(head_dim) and flash.supported_head_dim(256)
+
