@@ -176,3 +176,18 @@ def test_a_head_dim_the_kernels_cannot_tile_is_refused_by_name(head_dim):
         validate(cfg)
     assert not flash.supported_head_dim(head_dim) and flash.supported_head_dim(256)
 
+
+def test_the_planner_plans_the_kernels_as_the_blockwise_attention(tmp_path, caplog):
+    """A CPU cannot compile the kernels (it would interpret them): the planner compiles the
+    blockwise attention instead, which saves the same residuals, and says so."""
+    from tunix_train import plan
+
+    common = [*TINY, "data.seq_len=128", mesh_arg(4, 2), "training.micro_batch_size=1"]
+    records = {}
+    for impl in ("pallas", "blockwise"):
+        (tmp_path / impl).mkdir()
+        with caplog.at_level("INFO", logger="tunix_train"):
+            records[impl] = plan.plan(compose_config(*common, f"model.attention_impl={impl}"),
+                                      tmp_path / impl)
+    assert records["pallas"]["per_device_bytes"] == records["blockwise"]["per_device_bytes"]
+    assert "model.attention_impl=pallas planned as blockwise" in caplog.text

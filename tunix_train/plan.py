@@ -78,12 +78,24 @@ def plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
     from tunix_train.training.setup import Setup
 
     config_lib.validate(cfg)
-    if cfg.training.mixed_precision == "auto":
-        cfg.training.mixed_precision = "bf16"  # what "auto" picks on the accelerators planned for
+    _as_planned(cfg)
     setup = Setup.create(cfg)
     start = time.perf_counter()
     costs = setup.analyse(setup.compile_train_step())
     return write(run_dir, setup, costs, time.perf_counter() - start)
+
+
+def _as_planned(cfg: Config) -> None:
+    """What a CPU compiles in place of choices made for GPUs."""
+    if cfg.training.mixed_precision == "auto":
+        cfg.training.mixed_precision = "bf16"  # what "auto" picks on the accelerators planned for
+    if cfg.model.attention_impl == "pallas":
+        # A CPU would run the kernels through Pallas's interpreter, whose memory is not theirs.
+        # The blockwise attention saves the same residuals (output, log-sum-exp) and its
+        # backward pass keeps fp32 [B, N, L, H] sums the kernels do not: an upper bound.
+        log.info("plan: model.attention_impl=pallas planned as blockwise (the same residuals; "
+                 "an upper bound on the kernels' memory)")
+        cfg.model.attention_impl = "blockwise"
 
 
 def write(run_dir: Path, setup, costs, compile_s: float = 0.0) -> dict[str, Any]:
