@@ -1,13 +1,15 @@
 """Attention paths against each other, forward + backward of one layer's attention, per
 sequence length, in one process: XLA's dense attention (the baseline), our blockwise attention
-(`tunix_train/models/blockwise.py`) and, on a GPU in bf16, cuDNN's fused flash attention.
+(`tunix_train/models/blockwise.py`) and, on a GPU, our Pallas flash attention kernels
+(`tunix_train/models/flash.py`) and, in bf16, cuDNN's fused flash attention.
 
     python bench/attention.py                                   # CPU: fp32
     python bench/attention.py --dtype bfloat16 --lengths 2048 8192 32768   # on a GPU
     python bench/attention.py --head-dim 64 --lengths 256 512              # small heads
+    python bench/attention.py --dtype bfloat16 --pallas-block 32 64 128    # kernel tile sizes
 
 Gemma 3 1B's attention shape (4 query heads, 1 KV head, head dim 256 unless --head-dim), packed documents (a
-segment mask: dense and cuDNN get it as a mask / bias, blockwise as segment ids), 8,192 tokens
+segment mask: dense and cuDNN get it as a mask / bias, blockwise and the kernels as segment ids), 8,192 tokens
 per call (batch = 8,192 / length, at least 1), a global layer (full causal) and a local one
 (window 512). Calls are timed in alternating rounds; each line gives the milliseconds of every
 path and its ratio to dense; the last line is JSON. A path that cannot run at a length (out of
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from timing import timed
-from tunix_train.models import blockwise
+from tunix_train.models import blockwise, flash
 from tunix_train.models.layers import _mask_as_bias
 
 HEADS, KV_HEADS, WINDOW, TOKENS = 4, 1, 512, 8192
@@ -37,10 +39,12 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--head-dim", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--pallas-block", nargs="+", type=int, default=[flash.BLOCK],
+                        help="tile sizes of the Pallas kernels to time (GPU only)")
     return parser.parse_args()
 
 
-def paths(segments, window, dtype) -> dict:
+def paths(segments, window, dtype, pallas_blocks) -> dict:
     mask = segments[:, None, :, None] == segments[:, None, None, :]
     local = (window - 1, 0) if window else None
 
@@ -52,6 +56,10 @@ def paths(segments, window, dtype) -> dict:
         return blockwise.attention(q, k, v, segments, scale=0.0625, window=window)
 
     found = {"dense": dense, "blockwise": ours}
+    if jax.default_backend() == "gpu":  # elsewhere the kernels are interpreted: no speed to see
+        for block in pallas_blocks:
+            found[f"pallas_{block}"] = lambda q, k, v, block=block: flash.attention(
+                q, k, v, segments, scale=0.0625, window=window, block=block)
     if jax.default_backend() == "gpu" and dtype != jnp.float32:
         bias = _mask_as_bias(mask, HEADS, dtype)
         found["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
@@ -85,7 +93,7 @@ def main() -> None:
         segments = jnp.asarray(np.sort(rng.integers(0, 3, size=(batch, length)), axis=1))
         for layer, window in (("global", None), ("local", WINDOW)):
             runs, failed = {}, {}
-            for name, fn in paths(segments, window, dtype).items():
+            for name, fn in paths(segments, window, dtype, args.pallas_block).items():
                 runs[name], why = compiled(fn, q, k, v)
                 if why:
                     failed[name] = why

@@ -5,7 +5,9 @@
 #   MICRO_270M=8 MICRO_1B=16 REMAT_1B=full bash bench/gpu_mfu.sh      # the defaults
 # Attention goes through jax.nn.dot_product_attention: `auto` uses cuDNN's flash attention on
 # GPUs where it accepts the shapes; if a run fails under `auto` it is repeated with `xla`, so the
-# recipe always reports a number and says which. Each result's JSON line is appended to
+# recipe always reports a number and says which. Each run is repeated with our Pallas kernels
+# (model.attention_impl=pallas: packed documents without cuDNN's [B, N, L, L] bias), which `auto`
+# will take where they measure faster. Each result's JSON line is appended to
 # bench_results/gpu_mfu.jsonl. Micro-batches are per device; the defaults fit 80 GB (the
 # 262k-entry vocabulary's logits dominate activation memory at these sizes).
 set -uo pipefail
@@ -32,12 +34,22 @@ status=0
 run gemma3_270m "${MICRO_270M:-8}" "${REMAT_270M:-none}" || status=1
 # Full recomputation buys the micro-batch of 16 that keeps the H100 busiest (measured 2026-11-22).
 run gemma3_1b "${MICRO_1B:-16}" "${REMAT_1B:-full}" || status=1
+for model in "gemma3_270m ${MICRO_270M:-8} ${REMAT_270M:-none}" \
+             "gemma3_1b ${MICRO_1B:-16} ${REMAT_1B:-full}"; do
+  set -- $model
+  echo "== $1: micro_batch $2 × seq 2048, bf16, remat $3, attention pallas"
+  "$PYTHON" bench/mfu.py model="$1" data.seq_len=2048 training.mixed_precision=bf16 \
+    training.micro_batch_size="$2" training.remat="$3" model.attention_impl=pallas \
+    'model.mesh_shape=[[-1,1],["fsdp","tp"]]' | tee bench_results/last.txt
+  [ "${PIPESTATUS[0]}" -eq 0 ] && tail -1 bench_results/last.txt >> bench_results/gpu_mfu.jsonl \
+    || status=1
+done
 # Long context, one sequence per device, real packed data: the planner (docs/performance.md)
 # expects 38 GB at 8,192 tokens with save_dots and 30 GB at 32,768 with full recomputation.
 # `auto` takes cuDNN (documents as a bias) at 8,192 and the blockwise attention above it.
 for long in "8192 save_dots" "32768 full"; do
   set -- $long
-  for impl in auto blockwise; do
+  for impl in auto blockwise pallas; do
     echo "== gemma3_1b: 1 × seq $1, bf16, remat $2, attention $impl"
     "$PYTHON" bench/mfu.py model=gemma3_1b data.seq_len="$1" training.mixed_precision=bf16 \
       training.micro_batch_size=1 training.remat="$2" model.attention_impl="$impl" \
@@ -46,7 +58,8 @@ for long in "8192 save_dots" "32768 full"; do
       || status=1
   done
 done
-# Attention alone, per path (dense, blockwise, cuDNN) and length.
-"$PYTHON" bench/attention.py --dtype bfloat16 --lengths 2048 8192 32768 \
+# Attention alone, per path (dense, blockwise, the Pallas kernels at three tile sizes, cuDNN)
+# and length.
+"$PYTHON" bench/attention.py --dtype bfloat16 --lengths 2048 8192 32768 --pallas-block 32 64 128 \
   | tee -a bench_results/gpu_attention.txt || status=1
 exit $status
