@@ -36,19 +36,26 @@ def inputs(length=96, heads=4, kv_heads=2, head_dim=8, batch=2, seed=0):
 @pytest.mark.parametrize("window", [None, 20, 7])
 @pytest.mark.parametrize("packed", [False, True])
 def test_outputs_and_gradients_equal_dense_attention(block, window, packed):
-    q, k, v, weights, segments = inputs()
+    assert_equals_dense(lambda q, k, v, segments: blockwise.attention(
+        q, k, v, segments, scale=0.3, window=window, block=block), window, packed)
+
+
+def assert_equals_dense(ours, window: int | None, packed: bool, head_dim: int = 8) -> None:
+    """`ours(q, k, v, segments)` and its dq, dk, dv equal dense attention's (scale 0.3) to
+    1e-5 on 96 tokens, 4 query heads reading 2 KV heads."""
+    q, k, v, weights, segments = inputs(head_dim=head_dim)
     segments = segments if packed else None
 
-    def loss(fn):
-        return lambda q, k, v: jnp.sum(fn(q, k, v) * weights)
+    def value_and_grads(fn):
+        return jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v, segments) * weights),
+                                  argnums=(0, 1, 2))(q, k, v)
 
-    got = jax.value_and_grad(loss(lambda q, k, v: blockwise.attention(
-        q, k, v, segments, scale=0.3, window=window, block=block)), argnums=(0, 1, 2))(q, k, v)
-    want = jax.value_and_grad(loss(lambda q, k, v: dense(
-        q, k, v, segments, window, 0.3)), argnums=(0, 1, 2))(q, k, v)
-    np.testing.assert_allclose(
-        blockwise.attention(q, k, v, segments, scale=0.3, window=window, block=block),
-        dense(q, k, v, segments, window, 0.3), rtol=1e-5, atol=1e-6)
+    def reference(q, k, v, segments):
+        return dense(q, k, v, segments, window, 0.3)
+
+    got, want = value_and_grads(ours), value_and_grads(reference)
+    np.testing.assert_allclose(ours(q, k, v, segments), reference(q, k, v, segments),
+                               rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     for g, w in zip(got[1], want[1]):  # dq, dk, dv (dk and dv summed over each KV head's group)
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.abs(w).max()))
@@ -80,16 +87,22 @@ def test_memory_is_linear_in_the_sequence_length():
 
 def test_the_train_step_with_blockwise_attention_equals_dense_on_a_sharded_mesh():
     """Packed documents, 128 tokens in blocks of 64 (local layers' window of 16 reaches one
-    block back): 3 steps with blockwise attention on pp 2 × fsdp 2 × tp 2 (inside the pipeline's
-    stages) give the losses of XLA's dense attention on fsdp 2 × tp 2."""
+    block back): blockwise attention inside the pipeline's stages."""
+    assert blockwise.block_size(128) == 64
+    assert_train_step_equals_dense("blockwise")
+
+
+def assert_train_step_equals_dense(implementation: str) -> None:
+    """3 steps with `implementation` on pp 2 × fsdp 2 × tp 2 give the losses of XLA's dense
+    attention on fsdp 2 × tp 2 (packed documents, 128 tokens, local windows of 16)."""
     common = [*TINY, "model.num_layers=9", "model.global_every=2", "data.seq_len=128",
               "training.global_batch_size=8"]
     pipelined = 'model.mesh_shape=[[2,2,2],["pp","fsdp","tp"]]'
-    got, _ = train_losses(compose_config(*common, pipelined, "model.attention_impl=blockwise"),
-                          3)
+    got, _ = train_losses(
+        compose_config(*common, pipelined, f"model.attention_impl={implementation}"), 3)
     want, _ = train_losses(compose_config(*common, mesh_arg(2, 2), "model.attention_impl=xla"),
                            3, jax.devices()[:4])
-    assert blockwise.block_size(128) == 64 and want[-1] < want[0]
+    assert want[-1] < want[0]
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
@@ -142,22 +155,28 @@ def test_the_planners_flop_count_is_the_tiles_visited(window):
 def test_in_bf16_it_is_as_close_to_fp32_attention_as_dense_bf16_is():
     """The GPU path computes in bf16 (scores and sums in fp32, probabilities cast to bf16 for
     their products): its error against fp32 attention stays within twice dense bf16's."""
-    q, k, v, weights, segments = inputs(length=256, head_dim=64)
+    assert_bf16_as_close_as_dense(
+        lambda q, k, v, segments: blockwise.attention(q, k, v, segments, scale=0.125, window=48,
+                                                      block=64),
+        length=256, head_dim=64, scale=0.125, window=48)
+
+
+def assert_bf16_as_close_as_dense(ours, length: int, head_dim: int, scale: float, window: int):
+    """Gradients of `ours(q, k, v, segments)` in bf16 are within twice dense bf16's error
+    against fp32 dense attention."""
+    q, k, v, weights, segments = inputs(length=length, head_dim=head_dim)
 
     def grads(fn, dtype):
         cast = [a.astype(dtype) for a in (q, k, v)]
         return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * weights),
                         argnums=(0, 1, 2))(*cast)
 
-    def ours(q, k, v):
-        return blockwise.attention(q, k, v, segments, scale=0.125, window=48, block=64)
-
     def reference(q, k, v):
-        return dense(q, k, v, segments, 48, 0.125)
+        return dense(q, k, v, segments, window, scale)
 
     exact = grads(reference, jnp.float32)
-    for got, dense_bf16, want in zip(grads(ours, jnp.bfloat16), grads(reference, jnp.bfloat16),
-                                     exact):
+    for got, dense_bf16, want in zip(grads(lambda q, k, v: ours(q, k, v, segments), jnp.bfloat16),
+                                     grads(reference, jnp.bfloat16), exact):
         error = float(jnp.abs(got.astype(jnp.float32) - want).max())
         dense_error = float(jnp.abs(dense_bf16.astype(jnp.float32) - want).max())
         assert error <= 2 * dense_error

@@ -1,6 +1,6 @@
 """The Pallas flash attention kernels (models/flash.py) against XLA's dense attention, run by
 Pallas's interpreter on CPU; their loop bounds against brute force; what they lower to for a
-GPU (Triton kernels, no [L, L] array, each device's own heads on a mesh), compiled here without
+GPU (Triton kernels, no [L, L] array, each device's own heads on a mesh), lowered here without
 one; and the real train step with them on a sharded mesh."""
 
 import re
@@ -12,16 +12,12 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType
 
-from helpers import TINY, compose_config, mesh_arg, train_losses
-from test_blockwise import dense, inputs
+from helpers import TINY, compose_config, mesh_arg
+from test_blockwise import (assert_bf16_as_close_as_dense, assert_equals_dense,
+                            assert_train_step_equals_dense)
 from tunix_train.config import ConfigError, ModelConfig, validate
 from tunix_train.models import flash, layers
 from tunix_train.parallel import sharding
-
-
-def value_and_grads(fn, q, k, v, weights):
-    return jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) * weights),
-                              argnums=(0, 1, 2))(q, k, v)
 
 
 # 96 tokens: blocks of 16 divide them; a block of 64 pads them to 128.
@@ -30,18 +26,8 @@ def value_and_grads(fn, q, k, v, weights):
     (64, None, True), (64, 7, True)])
 def test_outputs_and_gradients_equal_dense_attention(block, window, packed):
     """4 query heads reading 2 KV heads; fp32, 1e-5 relative."""
-    q, k, v, weights, segments = inputs(head_dim=16)
-    segments = segments if packed else None
-    got = value_and_grads(lambda q, k, v: flash.attention(
-        q, k, v, segments, scale=0.3, window=window, block=block), q, k, v, weights)
-    want = value_and_grads(lambda q, k, v: dense(q, k, v, segments, window, 0.3), q, k, v,
-                           weights)
-    np.testing.assert_allclose(
-        flash.attention(q, k, v, segments, scale=0.3, window=window, block=block),
-        dense(q, k, v, segments, window, 0.3), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
-    for g, w in zip(got[1], want[1]):  # dq, dk, dv (dk and dv summed over each KV head's group)
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.abs(w).max()))
+    assert_equals_dense(lambda q, k, v, segments: flash.attention(
+        q, k, v, segments, scale=0.3, window=window, block=block), window, packed, head_dim=16)
 
 
 @pytest.mark.parametrize("window", [None, 1, 2, 20, 33, 34, 64, 100])
@@ -65,25 +51,10 @@ def test_each_program_visits_exactly_the_blocks_with_a_visible_pair(window):
 def test_in_bf16_it_is_as_close_to_fp32_attention_as_dense_bf16_is():
     """Scores, sums and accumulators in fp32, operands in bf16, as on a GPU: the error against
     fp32 attention stays within twice dense bf16's."""
-    q, k, v, weights, segments = inputs(length=128, head_dim=32)
-
-    def grads(fn, dtype):
-        cast = [a.astype(dtype) for a in (q, k, v)]
-        return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * weights),
-                        argnums=(0, 1, 2))(*cast)
-
-    def ours(q, k, v):
-        return flash.attention(q, k, v, segments, scale=0.125, window=48, block=32)
-
-    def reference(q, k, v):
-        return dense(q, k, v, segments, 48, 0.125)
-
-    exact = grads(reference, jnp.float32)
-    for got, dense_bf16, want in zip(grads(ours, jnp.bfloat16), grads(reference, jnp.bfloat16),
-                                     exact):
-        error = float(jnp.abs(got.astype(jnp.float32) - want).max())
-        dense_error = float(jnp.abs(dense_bf16.astype(jnp.float32) - want).max())
-        assert error <= 2 * dense_error
+    assert_bf16_as_close_as_dense(
+        lambda q, k, v, segments: flash.attention(q, k, v, segments, scale=0.125, window=48,
+                                                  block=32),
+        length=128, head_dim=32, scale=0.125, window=48)
 
 
 def triton_calls(fn, *shapes) -> list[tuple[str, str]]:
@@ -142,18 +113,8 @@ def test_on_a_mesh_each_device_runs_the_kernels_on_its_own_rows_and_heads(monkey
 
 
 def test_the_train_step_with_the_kernels_equals_dense_on_a_sharded_mesh():
-    """Packed documents, 128 tokens in blocks of 64, local layers' window of 16: 3 steps with
-    the Pallas kernels on pp 2 × fsdp 2 × tp 2 (one KV head copied to each tp device's query
-    heads, inside the pipeline's stages) give the losses of XLA's dense attention on fsdp 2 ×
-    tp 2."""
-    common = [*TINY, "model.num_layers=9", "model.global_every=2", "data.seq_len=128",
-              "training.global_batch_size=8"]
-    pipelined = 'model.mesh_shape=[[2,2,2],["pp","fsdp","tp"]]'
-    got, _ = train_losses(compose_config(*common, pipelined, "model.attention_impl=pallas"), 3)
-    want, _ = train_losses(compose_config(*common, mesh_arg(2, 2), "model.attention_impl=xla"),
-                           3, jax.devices()[:4])
-    assert want[-1] < want[0]
-    np.testing.assert_allclose(got, want, rtol=1e-5)
+    """Inside the pipeline's stages, one KV head copied to each tp device's query heads."""
+    assert_train_step_equals_dense("pallas")
 
 
 def test_auto_never_picks_the_kernels_and_by_name_on_cpu_says_they_are_interpreted(monkeypatch):
