@@ -17,9 +17,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from tunix_train.config import ModelConfig
-from tunix_train.models import blockwise, flash, head, kv_cache
+from tunix_train.models import blockwise, flash, head, kv_cache, partitioning
 from tunix_train.models.params import materialize, take
-from tunix_train.models import partitioning
 from tunix_train.models.partitioning import constrain
 
 log = logging.getLogger("tunix_train")

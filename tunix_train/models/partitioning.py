@@ -26,7 +26,6 @@ def constrain(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, P(*axes))
 
 
-
 def per_device(fn: Callable, args: tuple[jax.Array, ...],
                arg_axes: tuple[tuple[str | None, ...], ...],
                out_axes: tuple[str | None, ...]) -> jax.Array:
@@ -40,9 +39,9 @@ def per_device(fn: Callable, args: tuple[jax.Array, ...],
         for name, dim in zip(names, arg.shape):
             if name:
                 sizes.setdefault(name, []).append(dim)
+    mesh = jax.sharding.get_abstract_mesh()
     axis_of = {name: axis for name, axis in _auto_axes(sizes).items()
-               if all(dim % jax.sharding.get_abstract_mesh().shape[axis] == 0
-                      for dim in sizes[name])}
+               if all(dim % mesh.shape[axis] == 0 for dim in sizes[name])}
     if not axis_of:
         return fn(*args)
     spec = lambda names: P(*(axis_of.get(name) if name else None for name in names))  # noqa: E731
