@@ -1,4 +1,6 @@
-"""Train a Gemma 3 model: `python run_training.py [hydra overrides]`. See README.md."""
+"""Train a model: `python run_training.py [hydra overrides]`. See README.md."""
+
+import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -16,4 +18,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    cli.before_hydra(sys.argv)  # overrides checked (exit 2), one run dir for hand-started jobs
     main()

@@ -1,6 +1,7 @@
-"""Runs run_training.py's own entry point once per override, in this one process, and prints
-one JSON line per run: exit code, what reached stdout and stderr (file descriptors 1 and 2), and
-the run's train.log. Used by test_cli.py: thirty bad values for the price of one start-up."""
+"""Runs run_training.py's own entry point (`cli.before_hydra`, then its `@hydra.main`) once per
+override, in this one process, and prints one JSON line per run: exit code, what reached stdout
+and stderr (file descriptors 1 and 2), and the run's train.log. Used by test_cli.py: forty
+mistakes for the price of one start-up."""
 
 import importlib.util
 import json
@@ -13,12 +14,15 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def run_once(main, argv: list[str]) -> dict:
+    from tunix_train import cli
+
     sys.argv = ["run_training.py", *argv]
     saved = os.dup(1), os.dup(2)
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         sys.stdout.flush(), sys.stderr.flush()
         os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
         try:
+            cli.before_hydra(sys.argv)  # what run_training.py runs before Hydra
             main()
             code = 0
         except SystemExit as e:

@@ -25,4 +25,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    cli.before_hydra(sys.argv)
     main()

@@ -16,14 +16,14 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tunix_train"
 
 LAYERS = [  # top to bottom; a module may import its own layer's modules and those below
     {"tunix_train.cli", "tunix_train.plan", "tunix_train.generate", "tunix_train.export",
-     "tunix_train.launch"},
+     "tunix_train.launch", "tunix_train.overrides"},
     {"tunix_train.grpo"},
     {"tunix_train.training"},
     {"tunix_train.inference"},
     {"tunix_train.analysis"},
     {"tunix_train.parallel"},
     {"tunix_train.models", "tunix_train.data", "tunix_train.checkpoint"},
-    {"tunix_train.config"},
+    {"tunix_train.config", "tunix_train.paths"},
 ]
 
 

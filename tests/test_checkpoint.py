@@ -258,3 +258,29 @@ def test_a_step_dir_means_that_step_and_a_temporary_dir_is_refused(tmp_path):
     (tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp").mkdir()
     with pytest.raises(ConfigError, match="holds no committed checkpoint"):
         checkpoint.locate(tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp")
+
+
+def test_an_error_that_is_not_storage_is_raised_at_once_and_never_called_storage(
+        tmp_path, monkeypatch):
+    """A bad argument (here Orbax's refusal of a relative path) is not a storage hiccup: no
+    retries, no "check the storage" advice, nothing moved."""
+    save_steps(tmp_path, [2, 4], make_mesh(8, 1))
+    calls = []
+
+    def restore(self, step, args=None):
+        calls.append(step)
+        raise ValueError("Checkpoint path should be absolute. Got outputs/run/checkpoints/4")
+
+    monkeypatch.setattr(checkpoint._Manager, "restore", restore)
+    with pytest.raises(ValueError, match="should be absolute"):
+        checkpoint.restore(tmp_path, abstract(make_mesh(8, 1)), CONFIG, set_aside_in=tmp_path)
+    assert calls == [4]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
+
+
+def test_a_relative_checkpoint_path_means_one_under_the_current_directory(tmp_path,
+                                                                          monkeypatch):
+    save_steps(tmp_path / "outputs" / "run", [2], make_mesh(8, 1))
+    monkeypatch.chdir(tmp_path)
+    restored = checkpoint.restore("outputs/run", abstract(make_mesh(8, 1)), CONFIG)
+    assert restored.step == 2 and restored.path == tmp_path / "outputs/run/checkpoints/2"

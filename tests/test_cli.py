@@ -34,6 +34,25 @@ def test_a_short_run_leaves_log_metrics_config_and_tensorboard(tmp_path):
     assert losses[0].value == pytest.approx(train[0]["loss"], rel=1e-6)
 
 
+def test_a_run_ends_by_saying_where_it_is_and_a_finished_run_is_not_redone(tmp_path):
+    args = [*TINY, "training.steps=2", "logging.every_steps=1", "hydra.run.dir=run"]
+    first = run_cli(args, cwd=tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "finished step 2 of 2; run dir: run" in first.stdout
+    assert ("generate: python -m tunix_train.generate checkpoint.resume_from=run "
+            "'generate.prompt=\"...\"'") in first.stdout
+    [resume] = [line for line in first.stdout.splitlines() if "continue: " in line]
+    assert resume.split("continue: ")[1].startswith("python run_training.py model.num_layers=7")
+    assert resume.endswith("training.steps=4 hydra.run.dir=run")
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+    again = run_cli(args, cwd=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "run is already complete: its checkpoint of step 2 reaches training.steps=2" in \
+        again.stdout
+    assert "compiled" not in again.stdout and "devices:" not in again.stdout
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics  # no duplicate record
+
+
 def test_default_run_dir_is_outputs_experiment_date_time(tmp_path):
     result = run_cli([*TINY, "training.steps=1", "experiment.name=smoke"], cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -58,11 +77,35 @@ def test_bad_input_is_one_sentence_and_a_nonzero_exit(tmp_path, overrides, messa
     assert "Traceback" not in output
 
 
-def test_unknown_model_name_fails_with_the_available_ones(tmp_path):
-    result = run_cli(["model=gemma3_2b", f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path)
-    assert result.returncode != 0
-    assert "Could not find 'model/gemma3_2b'" in result.stderr
-    assert "gemma3_1b" in result.stderr  # Hydra lists the available options
+# Mistakes Hydra itself catches, and ones it let through (a `+`-added typo, a data.path that
+# the bundled corpus ignores, two batch keys that disagree, a path that is not there): each is
+# one sentence on stderr and exit code 2, before any work.
+HYDRA_MISTAKES = {
+    "training.setps=3": "training.setps is not a config key (did you mean training.steps?)",
+    "+training.setps=3": "training.setps is not a config key (did you mean training.steps?), "
+                         "with or without a '+' in front",
+    "trainin.steps=3": "trainin.steps is not a config key (did you mean training.steps?)",
+    "model=gemma3_2b": "model=gemma3_2b is not a known option; did you mean model=gemma3_",
+    "model.mesh_shape=[[4,1],[fsdp,tp]": "'model.mesh_shape=[[4,1],[fsdp,tp]' is not a valid "
+                                         "override",
+    "training.steps=abc": "training.steps=abc does not fit training.steps: Value 'abc'",
+    "data.path=corpus.csv": "data.path=corpus.csv needs a data= group",
+    "checkpoint.init_params_from=outputs/nope": "checkpoint.init_params_from=outputs/nope does "
+                                                "not exist",
+    "training.global_batch_size=16 training.micro_batch_size=2":
+        "training.global_batch_size=16 but training.micro_batch_size=2 × fsdp=1 × "
+        "gradient_accumulation_steps=1 = 2; set only one of the two batch keys",
+}
+
+
+@pytest.mark.parametrize("mistake", HYDRA_MISTAKES)
+def test_a_mistake_hydra_reports_or_ignores_is_one_sentence_and_exit_2(mistake, bad_value_runs):
+    run = bad_value_runs[mistake]
+    assert run["code"] == 2, run
+    [line] = run["stderr"].strip().splitlines()
+    assert HYDRA_MISTAKES[mistake] in line
+    assert "error" not in run["stdout"] and "Traceback" not in run["stderr"]
+    assert "devices:" not in run["log"]  # nothing ran: refused before devices, data or compiling
 
 
 BAD_VALUES = [
@@ -88,13 +131,15 @@ def bad_value_runs(tmp_path_factory) -> dict:
     from helpers import REPO, cli_env
 
     base = tmp_path_factory.mktemp("bad_values")
+    mistakes = [m.split() for m in HYDRA_MISTAKES]
     result = subprocess.run(
         [sys.executable, str(REPO / "tests" / "bad_values_worker.py"),
-         json.dumps([str(base), BAD_VALUES])],
+         json.dumps([str(base), BAD_VALUES + mistakes])],
         cwd=base, env=cli_env(None), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     runs = [json.loads(line) for line in result.stdout.splitlines()]
-    return {run["override"]: run for run in runs}
+    return {" ".join(run["override"]) if isinstance(run["override"], list) else
+            run["override"]: run for run in runs}
 
 
 @pytest.mark.parametrize("override", BAD_VALUES)

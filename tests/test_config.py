@@ -26,7 +26,7 @@ def test_model_group_has_published_dimensions(name, layers, dim):
 
 
 def test_misspelt_key_and_wrong_type_fail_in_hydra():
-    with pytest.raises(ConfigCompositionException):
+    with pytest.raises(ConfigCompositionException):  # Hydra's own error; cli.py words it
         compose_config("training.setps=3")
     with pytest.raises(ConfigCompositionException):
         compose_config("training.steps=many")
@@ -103,3 +103,82 @@ def test_a_value_out_of_range_is_one_sentence_with_key_value_and_range(override,
     with pytest.raises(ConfigError) as error:
         config_lib.validate(compose_config(override))
     assert str(error.value) == expected
+
+
+def test_both_batch_keys_may_be_set_only_if_they_agree():
+    cfg = compose_config("training.global_batch_size=16", "training.micro_batch_size=2",
+                         "training.gradient_accumulation_steps=2")
+    assert batch_shape(cfg.training, 32, fsdp_size=4).rows == 8  # 2 × 4 × 2 = 16: agreed
+    with pytest.raises(ConfigError, match=r"training.global_batch_size=16 but training."
+                                          r"micro_batch_size=2 × fsdp=2 × gradient_accumulation_"
+                                          r"steps=2 = 8; set only one"):
+        batch_shape(cfg.training, 32, fsdp_size=2)
+    assert batch_shape(compose_config().training, 32, fsdp_size=2).rows == 16  # the default 8
+
+
+def test_every_user_path_becomes_absolute_against_the_start_directory(tmp_path):
+    import os
+
+    from tunix_train import paths
+
+    (tmp_path / "outputs" / "run").mkdir(parents=True)
+    (tmp_path / "ckpt").mkdir()
+    cfg = compose_config("checkpoint.init_params_from=outputs/run", "data=jsonl",
+                         "data.path=corpus/*.jsonl", "data.eval_path='~/val.jsonl'",
+                         "data.tokenizer=sentencepiece:tok.model", "export.path=exported/",
+                         "model.init_from=hf:ckpt")
+    paths.resolve(cfg, tmp_path)
+    assert cfg.checkpoint.init_params_from == str(tmp_path / "outputs" / "run")
+    assert cfg.data.path == str(tmp_path / "corpus" / "*.jsonl")  # a glob stays a glob
+    assert cfg.data.eval_path == os.path.expanduser("~/val.jsonl")
+    assert cfg.data.tokenizer == f"sentencepiece:{tmp_path / 'tok.model'}"
+    assert cfg.export.path == str(tmp_path / "exported")
+    assert cfg.model.init_from == f"hf:{tmp_path / 'ckpt'}"
+    assert paths.resolve(compose_config(), tmp_path).data.tokenizer == "byte"
+
+
+@pytest.mark.parametrize("override,key", [
+    ("checkpoint.resume_from=outputs/gone", "checkpoint.resume_from"),
+    ("checkpoint.init_params_from=outputs/gone", "checkpoint.init_params_from"),
+    ("model.init_from=hf:checkpoints/gone", "model.init_from"),
+])
+def test_a_missing_path_is_one_sentence_naming_the_key(tmp_path, override, key):
+    from tunix_train import paths
+
+    with pytest.raises(ConfigError, match=rf"^{key}=\S*gone does not exist \({tmp_path}/"):
+        paths.resolve(compose_config(override), tmp_path)
+
+
+@pytest.mark.parametrize("given,group", [
+    (["data.path=a/b.jsonl"], "jsonl"), (["data.path=corpus/*.parquet"], "parquet"),
+    (["data.path=train.bin"], "tokens"), (["data.path=notes/*.txt"], "text"),
+    (["trainer=grpo", "data.path=prompts.jsonl"], "prompts"),
+])
+def test_a_data_path_without_its_group_takes_the_group_of_its_extension(given, group):
+    from tunix_train import overrides
+
+    composed, note = overrides.with_data_group(given)
+    assert composed == [f"data={group}", *given] and f"read as data={group}" in note
+    assert overrides.compose_checked(composed).data.name in (group, "jsonl")  # sft/jsonl alias
+    assert overrides.with_data_group(["data=text", "data.path=x.jsonl"])[0] == [
+        "data=text", "data.path=x.jsonl"]  # a chosen group is the user's
+
+
+def test_a_data_path_of_unknown_kind_without_a_group_is_refused():
+    from tunix_train import overrides
+
+    with pytest.raises(ConfigError, match="data.path=corpus needs a data= group"):
+        overrides.with_data_group(["data.path=corpus"])
+
+
+def test_near_miss_keys_get_a_suggestion_and_sweeps_are_checked_at_their_first_value():
+    from tunix_train import overrides
+
+    with pytest.raises(ConfigError, match=r"optimiser.lr is not a config key \(did you mean "
+                                          r"optimizer.lr\?\)"):
+        overrides.compose_checked(["optimiser.lr=1e-3"])
+    with pytest.raises(ConfigError, match="colour is not a config key, with or without a .+. in"):
+        overrides.compose_checked(["+colour=red"])
+    assert overrides.single_values(["optimizer.lr=1e-3,3e-4", "training.steps=3"]) == [
+        "optimizer.lr=0.001", "training.steps=3"]
+    assert set(overrides.known_keys()) >= {"training.steps", "model.mesh_shape", "grpo.beta"}

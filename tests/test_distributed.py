@@ -15,7 +15,7 @@ FakeDevice = namedtuple("FakeDevice", "id process_index device_kind")
 def test_launcher_and_torchrun_variables():
     job = distributed.discover({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "RANK": "5",
                                 "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"})
-    assert job == distributed.Job("launcher", "10.0.0.1:29500", 8, 5, 1, 4)
+    assert job == distributed.Job("env", "10.0.0.1:29500", 8, 5, 1, 4)  # not our launcher
     args = distributed._initialize_args(DistributedConfig(init_timeout_s=7), job)
     assert args["local_device_ids"] == [1]  # one process per GPU
     assert args["process_id"] == 5 and args["initialization_timeout"] > 7
@@ -132,3 +132,23 @@ def test_a_child_of_the_launcher_dies_with_it_even_on_sigkill(tmp_path):
         time.sleep(0.1)
     os.kill(child_pid, signal.SIGKILL)
     raise AssertionError("the launcher's child outlived it")
+
+
+def test_processes_writing_to_different_run_dirs_are_refused_by_name(monkeypatch, tmp_path):
+    """What srun or mpirun would do with a run dir each process timestamps for itself."""
+    import numpy as np
+
+    from jax.experimental import multihost_utils
+
+    other = str((tmp_path / "b").resolve()).encode()
+    row = np.zeros(4096, np.uint8)
+    row[:len(other)] = np.frombuffer(other, np.uint8)
+    monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather",
+                        lambda x: np.stack([x, row]))
+    with pytest.raises(ConfigError, match=r"write to different run dirs \(process 0: .*/a; "
+                                          r"process 1: .*/b\); give them all the same "
+                                          r"hydra.run.dir"):
+        distributed.check_same_run_dir(tmp_path / "a")
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.stack([x, x]))
+    distributed.check_same_run_dir(tmp_path / "a")

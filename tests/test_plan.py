@@ -26,10 +26,13 @@ def run_plan(args, cwd):
 def test_planner_simulates_the_mesh_and_matches_a_real_allocation(tmp_path):
     result = run_plan([*MODEL, "plan.device_memory_gb=0.001", f"hydra.run.dir={tmp_path}/plan"],
                       cwd=REPO)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]  # a script acts
     record = json.loads((tmp_path / "plan" / "plan.json").read_text())
     assert record["mesh"] == {"fsdp": 4, "tp": 2} and record["zero_stage"] == 3
     assert record["fits"] is False and "does NOT fit" in result.stdout
+    [verdict] = [line for line in result.stdout.splitlines() if "verdict:" in line]
+    assert "zero_stage" not in verdict  # already 3: never suggested
+    assert "lower training.micro_batch_size from 2" in verdict and "remat=full" in verdict
     assert {"params", "grads", "optimizer", "temp", "total"} <= set(record["per_device_bytes"])
     assert record["flops_per_step"] > 0 and record["tokens_per_step"] == 8 * 32
     assert {"kind", "axis", "count", "bytes"} <= set(record["collectives"][0])

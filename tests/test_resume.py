@@ -103,7 +103,7 @@ def read_with_plain_orbax_on_one_device(step_dir: Path) -> None:
     by 8 devices, reads exactly what Orbax reads on the saving topology."""
     page = (REPO / "docs" / "checkpointing.md").read_text()
     [recipe] = [b for b in re.findall(r"```python\n(.*?)```", page, flags=re.S) if "metadata" in b]
-    recipe = re.sub(r'path = ".*"', f'path = "{step_dir / "state"}"', recipe)
+    recipe = re.sub(r'path = .*', f'path = "{step_dir / "state"}"', recipe)
     recipe += "\nimport numpy as np\nnp.save('params.npy', np.asarray(jax.device_get(" \
               "state['params']['embedder']['embedding'])))\nprint(len(jax.devices()))\n"
     result = subprocess.run([sys.executable, "-c", recipe], cwd=step_dir.parent.parent,
@@ -151,6 +151,10 @@ def test_sigterm_then_restart_gives_the_uninterrupted_losses_bitwise(reference, 
     assert "SIGTERM received" in output and max(losses(run_dir)) == 4
     assert "validation loss" not in output.split("SIGTERM received")[1]
     assert committed(run_dir) == [4]  # saved on the way out, and only then
+    # Said as typed from where it started (the run dir's parent): the step and how to resume.
+    assert f"stopped after step 4 of {STEPS}; checkpoint: run/checkpoints/4" in output
+    [resume] = [line for line in output.splitlines() if "resume:   " in line]
+    assert resume.endswith(f"training.steps={STEPS} hydra.run.dir=run")
     output = train(run_dir, env=cache)
     assert "resuming from step 4" in output
     assert_bitwise(run_dir, reference, range(5, STEPS + 1))

@@ -19,7 +19,9 @@ What can go wrong at restore, and what happens:
 - a step proven unreadable (a file missing or truncated: tensorstore's NOT_FOUND, OUT_OF_RANGE,
   DATA_LOSS, a truncated compressed stream): reported in one line, set aside, and the previous
   step is used instead;
-- any other error (a storage hiccup): retried, then a loud failure that moves nothing.
+- a storage error (an `OSError`, or tensorstore's UNAVAILABLE, DEADLINE_EXCEEDED, …): retried,
+  then a loud failure (`StorageError`, exit code 6) that moves nothing;
+- anything else (a bad argument, a bug): raised at once, never retried, never called storage.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ STRUCTURE_KEYS = (
 )
 # Tensorstore's status codes for data that is not there or not whole: proof of damage.
 DAMAGE_CODES = ("NOT_FOUND", "OUT_OF_RANGE", "DATA_LOSS", "FAILED_PRECONDITION")
+# ... and for storage that may answer if asked again (absl status codes, as tensorstore spells them).
+STORAGE_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED", "INTERNAL",
+                 "UNKNOWN", "CANCELLED", "PERMISSION_DENIED")
 READ_ATTEMPTS = 3  # other read errors are retried this often, with growing pauses
 RETRY_PAUSE_S = 1.0
 
@@ -168,8 +173,9 @@ def saved_config(path: str | Path) -> dict:
 
 
 def locate(path: str | Path) -> tuple[Path, list[int]]:
-    """(checkpoint directory, candidate steps, newest first) for a run, checkpoints or step dir."""
-    path = Path(path)
+    """(checkpoint directory, candidate steps, newest first) for a run, checkpoints or step dir
+    (a relative path means one under the current directory: Orbax takes absolute ones only)."""
+    path = Path(path).expanduser().absolute()
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
     if path.name.isdigit() and int(path.name) in _steps(path.parent):
@@ -227,7 +233,9 @@ def _read_with_retries(read: Callable[[int], Any], step: int) -> tuple[Any, Exce
             return read(step), None
         except ConfigError:
             raise
-        except Exception as e:  # noqa: BLE001 - sorted below into damage and everything else
+        except Exception as e:  # noqa: BLE001 - sorted below into damage, storage and bugs
+            if not (_proves_damage(e) or _is_storage(e)):
+                raise
             if _proves_damage(e) or attempt + 1 == READ_ATTEMPTS:
                 return None, e
             log.warning("reading checkpoint step %d failed (%s); retrying", step, _first_line(e))
@@ -242,6 +250,16 @@ def _proves_damage(error: BaseException) -> bool:
         if isinstance(seen, (FileNotFoundError, json.JSONDecodeError, EOFError)):
             return True
         if str(seen).startswith(DAMAGE_CODES):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _is_storage(error: BaseException) -> bool:
+    """Whether `error` (or one it came from) is the storage failing, which a retry may mend."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) or str(seen).startswith(STORAGE_CODES):
             return True
         seen = seen.__cause__ or seen.__context__
     return False

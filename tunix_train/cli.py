@@ -1,31 +1,40 @@
 """Entry-point glue shared by run_training.py and the `python -m tunix_train.*` tools:
-DictConfig → typed Config, and user mistakes → one sentence and a non-zero exit."""
+the command line checked before Hydra starts, DictConfig → typed Config with absolute paths,
+and user mistakes → one sentence and the exit code of docs/monitoring.md's table."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Iterator, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
+from tunix_train import overrides as overrides_lib
+from tunix_train import paths
 from tunix_train.checkpoint import StorageError
-from tunix_train.config import CONFIG_DIR, Config, ConfigError
+from tunix_train.config import Config, ConfigError
+from tunix_train.parallel.rendezvous import PeersError
 
 log = logging.getLogger("tunix_train")
 
 EXIT_CONFIG_ERROR = 2
 EXIT_NON_FINITE = 3  # training.nan_policy=halt met a non-finite step (the watchdog exits 4)
-EXIT_STORAGE = 6  # a checkpoint could not be read, for a reason other than damage (5: init)
+EXIT_PLAN_DOES_NOT_FIT = 3  # python -m tunix_train.plan: the step does not fit the device
+EXIT_PEERS = 5  # the job's processes did not join, or one died or hung
+EXIT_STORAGE = 6  # a checkpoint could not be read, for a reason other than damage
 
 
-def typed(cfg: DictConfig, overrides: Sequence[str] = ()) -> Config:
-    """The typed config; with `model.init_from`, model dimensions come from that checkpoint."""
+def typed(cfg: DictConfig, overrides: Sequence[str] = (), base: Path | None = None) -> Config:
+    """The typed config, every path in it absolute against `base` (the directory the command
+    started in); with `model.init_from`, model dimensions come from that checkpoint."""
     from tunix_train.models import hf_config
 
-    config = OmegaConf.to_object(cfg)
+    config = paths.resolve(OmegaConf.to_object(cfg), base or Path.cwd())
     config.model = hf_config.resolve(config.model, explicit_model_keys(overrides))
     return config
 
@@ -51,20 +60,48 @@ def given(overrides: Sequence[str], key: str) -> bool:
 
 def compose(argv: Sequence[str]) -> Config:
     """Config of a `python -m tunix_train.<tool> overrides...` command (no Hydra run dir)."""
-    from hydra import compose as hydra_compose, initialize_config_dir
+    chosen, note = overrides_lib.with_data_group(argv)
+    if note:
+        log.info(note)
+    return typed(overrides_lib.compose_checked(chosen), chosen)
 
-    from tunix_train.config import register_configs
 
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
+def before_hydra(argv: list[str]) -> None:
+    """run_training.py and the planner, before `@hydra.main` runs: a mistake in the overrides
+    is one sentence and exit code 2 (not Hydra's traceback-like report and exit 1), a
+    `data.path` without its `data=` group gets one from its extension, and processes started
+    by hand agree on one run dir. Changes `argv` (sys.argv) in place."""
+    tool_logging()
+    with user_errors():
+        args = overrides_lib.hydra_arguments(argv[1:])
+        if args.help or args.hydra_help or args.info or args.shell_completion:
+            return
+        chosen, note = overrides_lib.with_data_group(args.overrides)
+        if note:
+            log.info(note)
+            argv.append(chosen[0])
+        overrides_lib.compose_checked(overrides_lib.single_values(chosen) if args.multirun
+                                      else chosen)
+        run_dir = None if args.multirun else agreed_run_dir(chosen)
+        if run_dir:
+            argv.append(f"hydra.run.dir={run_dir}")
 
-    register_configs()
-    try:
-        with initialize_config_dir(str(CONFIG_DIR), version_base=None):
-            cfg = hydra_compose("config", overrides=list(argv))
-        return typed(cfg, argv)
-    except (HydraException, OmegaConfBaseException) as error:  # a misspelt key or bad value
-        raise ConfigError(" ".join(str(error).split())) from None
+
+def agreed_run_dir(overrides: Sequence[str]) -> str | None:
+    """For processes started by hand (MASTER_* or JAX_* variables, no launcher): the run dir
+    process 0 composed, received over MASTER_PORT + 1, so that however far apart the processes
+    started, `${now:}` is read once. None for any other kind of start."""
+    from tunix_train.parallel import distributed, rendezvous
+
+    job = distributed.discover()
+    if job.source not in ("env", "jax") or not job.coordinator:
+        return None
+    cfg = overrides_lib.compose_checked(overrides, return_hydra_config=True)
+    own = paths.absolute(OmegaConf.select(cfg, "hydra.run.dir"), Path.cwd())
+    host, port = job.coordinator.rsplit(":", 1)
+    return rendezvous.exchange_run_dir(host, int(port) + 1, job.process_id, 1,
+                                       job.num_processes, own,
+                                       int(OmegaConf.select(cfg, "distributed.init_timeout_s")))
 
 
 class BelowError(logging.Filter):
@@ -95,6 +132,9 @@ def user_errors() -> Iterator[None]:
     except StorageError as error:
         log.error("error: %s", error)
         sys.exit(EXIT_STORAGE)
+    except PeersError as error:
+        log.error("error: %s", error)
+        sys.exit(EXIT_PEERS)
 
 
 def run_training(cfg: DictConfig, run_dir: str, hooks=None) -> None:
@@ -102,10 +142,59 @@ def run_training(cfg: DictConfig, run_dir: str, hooks=None) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     # After Hydra set up logging and the run dir:
+    from tunix_train import config as config_lib
     from tunix_train.grpo import trainer as grpo_trainer
     from tunix_train.training import run as default_trainer
 
+    hydra = HydraConfig.get()
     with user_errors():
-        config = typed(cfg, HydraConfig.get().overrides.task)
+        config = typed(cfg, hydra.overrides.task, Path(hydra.runtime.cwd))
+        config_lib.validate(config)
+        nexts = NextCommands.of(hydra.overrides.task, Path(run_dir), Path(hydra.runtime.cwd))
         trainer = grpo_trainer if config.trainer.name == "grpo" else default_trainer
-        trainer.run(config, Path(run_dir), hooks or default_trainer.StepHooks())
+        summary = trainer.run(config, Path(run_dir), hooks or default_trainer.StepHooks())
+    nexts.report(summary["final_step"], config.training.steps, preempted=summary["preempted"],
+                 complete=summary.get("complete", False))
+
+
+class NextCommands:
+    """What to type next, said at the end of every run: where it is and how to go on."""
+
+    def __init__(self, overrides: Sequence[str], run_dir: str, start: str):
+        self.overrides, self.run_dir, self.start = list(overrides), run_dir, start
+
+    @classmethod
+    def of(cls, overrides: Sequence[str], run_dir: Path, cwd: Path) -> "NextCommands":
+        from tunix_train.parallel.launcher import LAUNCHER_ENV
+
+        shown = os.path.relpath(run_dir, cwd) if run_dir.resolve().is_relative_to(
+            cwd.resolve()) else str(run_dir)
+        kept = [o for o in overrides if not o.startswith(("hydra.run.dir=", "training.steps="))]
+        start = "python run_training.py"
+        if os.environ.get(LAUNCHER_ENV):
+            start = (f"python -m tunix_train.launch --nprocs="
+                     f"{os.environ.get('LOCAL_WORLD_SIZE', 1)} run_training.py")
+        return cls([shlex.quote(o) for o in kept], shown, start)
+
+    def train(self, steps: int) -> str:
+        return " ".join([self.start, *self.overrides, f"training.steps={steps}",
+                         f"hydra.run.dir={shlex.quote(self.run_dir)}"])
+
+    def generate(self) -> str:
+        return (f"python -m tunix_train.generate checkpoint.resume_from="
+                f"{shlex.quote(self.run_dir)} 'generate.prompt=\"...\"'")
+
+    def report(self, step: int, steps: int, preempted: bool = False,
+               complete: bool = False) -> None:
+        if complete:
+            log.info("%s is already complete: its checkpoint of step %d reaches training.steps="
+                     "%d, so there is nothing to do.", self.run_dir, step, steps)
+        elif preempted:
+            log.info("stopped after step %d of %d; checkpoint: %s", step, steps,
+                     os.path.join(self.run_dir, "checkpoints", str(step)))
+            log.info("resume:   %s", self.train(steps))
+            return
+        else:
+            log.info("finished step %d of %d; run dir: %s", step, steps, self.run_dir)
+        log.info("generate: %s", self.generate())
+        log.info("continue: %s", self.train(2 * steps))

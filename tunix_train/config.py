@@ -85,8 +85,8 @@ class OptimizerConfig:
 class TrainingConfig:
     steps: int = 200  # optimizer steps
     seed: int = 0
-    micro_batch_size: int = 8  # sequences per fsdp shard per micro-step
-    global_batch_size: Optional[int] = None  # if set, micro_batch_size is derived from it
+    micro_batch_size: Optional[int] = None  # sequences per fsdp shard per micro-step; None: 8,
+    global_batch_size: Optional[int] = None  # or derived from this (= micro × fsdp × accumulation)
     gradient_accumulation_steps: int = 1
     sync_gradients_every: int = 1  # micro-steps summed locally between gradient reductions
     grad_reduce_dtype: str = "auto"  # auto (= compute dtype) | fp32: dtype gradients reduce in
@@ -100,6 +100,9 @@ class TrainingConfig:
     offload_optimizer: bool = False  # Adam's moments in pinned host memory, streamed to the update
     pipeline_microbatches: Optional[int] = None  # per micro-step, with a pp axis; None: bubble <= 25%
     pipeline_repeats: int = 1  # layer chunks per pp stage, visited in turn (circular); 1 = GPipe
+
+
+DEFAULT_MICRO_BATCH_SIZE = 8  # training.micro_batch_size when neither batch key is set
 
 
 @dataclass

@@ -134,8 +134,25 @@ def _record(setup, costs, compile_s: float) -> dict[str, Any]:
                                     setup.batch.rows // setup.options.sync.fsdp),
         "device_memory_gb": cfg.plan.device_memory_gb,
         "fits": per_device["total"] <= cfg.plan.device_memory_gb * GB,
+        "suggestions": suggestions(cfg, setup.batch.rows // setup.options.sync.fsdp),
         "compile_seconds": round(compile_s, 1),
     }
+
+
+def suggestions(cfg: Config, micro_batch: int) -> list[str]:
+    """What would lower per-device memory from this configuration (none it already has)."""
+    t = cfg.training
+    found = ["put more devices on fsdp (model.mesh_shape)"]
+    if t.zero_stage < 3:
+        found.append(f"raise training.zero_stage from {t.zero_stage} to 3")
+    if micro_batch > 1:
+        found.append(f"lower training.micro_batch_size from {micro_batch} (with more "
+                     f"training.gradient_accumulation_steps for the same batch)")
+    if t.remat != "full":
+        found.append(f"set training.remat=full (now {t.remat})")
+    if not t.offload_optimizer:
+        found.append("set training.offload_optimizer=true")
+    return found
 
 
 def _summary(record: dict[str, Any], costs) -> list[str]:
@@ -144,8 +161,8 @@ def _summary(record: dict[str, Any], costs) -> list[str]:
     mesh = " × ".join(f"{k}={v}" for k, v in record["mesh"].items())
     total, limit = record["per_device_bytes"]["total"] / GB, record["device_memory_gb"]
     verdict = (f"fits: {total:.2f} GB of {limit:g} GB per device" if record["fits"] else
-               f"does NOT fit: {total:.2f} GB > {limit:g} GB per device; raise fsdp or "
-               f"zero_stage, lower training.micro_batch_size, or set training.remat")
+               f"does NOT fit: {total:.2f} GB > {limit:g} GB per device; "
+               f"{', or '.join(record['suggestions'])}")
     return [
         f"plan: {record['model']} ({record['num_params']:,} parameters) on {mesh}, zero_stage "
         f"{record['zero_stage']}, compute {record['compute_dtype']}, "
@@ -161,12 +178,17 @@ def _summary(record: dict[str, Any], costs) -> list[str]:
 
 @hydra.main(config_path="../configs", config_name="config", version_base=None)
 def main(dict_cfg: DictConfig) -> None:
-    run_dir = HydraConfig.get().runtime.output_dir
+    hydra_cfg = HydraConfig.get()
+    run_dir = hydra_cfg.runtime.output_dir
     with cli.user_errors():
-        cfg = cli.typed(dict_cfg)
+        cfg = cli.typed(dict_cfg, hydra_cfg.overrides.task, Path(hydra_cfg.runtime.cwd))
         ensure_cpu_devices(num_devices(cfg), run_dir)
-        plan(cfg, Path(run_dir))
+        record = plan(cfg, Path(run_dir))
+    if not record["fits"]:
+        sys.exit(cli.EXIT_PLAN_DOES_NOT_FIT)  # a script can act on the verdict
 
 
 if __name__ == "__main__":
+    if not os.environ.get(_REEXECUTED):  # the re-executed planner got checked arguments
+        cli.before_hydra(sys.argv)
     main()

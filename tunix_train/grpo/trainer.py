@@ -39,9 +39,9 @@ from tunix_train.grpo.rollouts import (EXTRA_INPUTS, RolloutMaker, Rollouts, on_
                                       reference_scorer)
 from tunix_train.parallel import distributed
 from tunix_train.training.loop import Loop, StepHooks
-from tunix_train.training.metrics import (MetricsWriter, Throughput, report_costs,
-                                          setup_process_logging)
-from tunix_train.training.run import log_startup
+from tunix_train.training.metrics import MetricsWriter, Throughput, setup_process_logging
+from tunix_train.training.run import (already_complete, finishing, log_startup,
+                                      report_startup_costs)
 from tunix_train.training.setup import Setup
 
 log = logging.getLogger("tunix_train")
@@ -52,6 +52,7 @@ SAMPLES_SHOWN = 4  # completions written as TensorBoard text every grpo.sample_e
 def run(cfg: Config, run_dir: Path, hooks: StepHooks = StepHooks()) -> dict[str, Any]:
     config_lib.validate(cfg)
     job = distributed.initialize(cfg.distributed)
+    distributed.check_same_run_dir(run_dir)
     setup_process_logging(jax.process_index())
     setup = Setup.create(cfg, processes_per_node=job.local_world_size)
     g = cfg.grpo
@@ -68,6 +69,8 @@ def run(cfg: Config, run_dir: Path, hooks: StepHooks = StepHooks()) -> dict[str,
     order = PromptOrder(prompts, setup.batch.sequences // g.num_generations, cfg.training.seed)
     state = setup.initial_state(run_dir, order)
     first_step = int(jax.device_get(state["step"])) // g.num_iterations
+    if first_step >= cfg.training.steps:
+        return already_complete(first_step)
     writer = MetricsWriter(run_dir, cfg.logging, cfg.training.steps, first_step)
     log_startup(setup, state, writer)
     log.info("grpo: %d prompts; %d per step × %d generations, %d prompt + %d new tokens; "
@@ -82,6 +85,8 @@ def run(cfg: Config, run_dir: Path, hooks: StepHooks = StepHooks()) -> dict[str,
                         cfg.training, cfg.logging, cfg.distributed.step_timeout_s,
                         Throughput(first_step, setup.tokens_per_step), config_lib.to_dict(cfg))
             state, summary = loop.run(state, first_step)
+            with finishing(summary["final_step"]):
+                checkpoints.close()
     finally:
         checkpoints.close()
         writer.close()
@@ -96,7 +101,7 @@ def _compiled_update(setup: Setup, writer: MetricsWriter, run_dir: Path):
     if setup.cfg.grpo.beta > 0:
         extra["ref_logps"] = jnp.float32
     compiled = setup.compile_train_step(loss_fn, extra)
-    report_costs(setup.analyse(compiled), writer, run_dir)
+    report_startup_costs(setup, compiled, writer, run_dir)
     return compiled
 
 

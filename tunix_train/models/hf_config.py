@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from tunix_train.config import ConfigError, ModelConfig
-
-HF_PREFIX = "hf:"
+from tunix_train.paths import HF_PREFIX
 
 # Gemma3TextConfig's defaults, for keys a checkpoint's config.json leaves out.
 _HF_DEFAULTS: dict[str, Any] = {

@@ -32,10 +32,19 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int) -> jax.Array:
     return jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5
 
 
+_AXES_METADATA = "out_sharding"  # where Flax NNX keeps a Variable's logical axis names
+
+
 def _param(value: jax.Array, *logical_axes: str) -> nnx.Param:
     # Shardings are applied by jit's out_shardings (see state.py), so a model can also be built
     # with no mesh at all (tests, the planner's eval_shape).
-    return nnx.Param(value, out_sharding=logical_axes, eager_sharding=False)
+    return nnx.Param(value, **{_AXES_METADATA: logical_axes}, eager_sharding=False)
+
+
+def logical_axes(variable: nnx.Variable) -> tuple[str | None, ...]:
+    """The logical axis names a parameter was created with (tests/test_internals.py pins
+    where NNX keeps them)."""
+    return tuple(variable.get_metadata()[_AXES_METADATA])
 
 
 def project(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:

@@ -97,10 +97,17 @@ def never_saving_materialized(policy: Callable) -> Callable:
     the backward pass materializes them again (for FSDP: gathers them again)."""
 
     def saveable(prim, *avals, **params) -> bool:
-        call = params.get("call_jaxpr")
-        if str(prim) == "custom_vjp_call" and call is not None and \
-                getattr(call.jaxpr.debug_info, "func_name", None) == MATERIALIZED:
+        if custom_vjp_name(prim, params) == MATERIALIZED:
             return False
         return policy(prim, *avals, **params)
 
     return saveable
+
+
+def custom_vjp_name(prim: Any, params: dict) -> str | None:
+    """The function name of a `jax.custom_vjp` equation as a recomputation policy sees it (the
+    primitive's name and parameters are JAX internals: tests/test_internals.py pins them)."""
+    call = params.get("call_jaxpr")
+    if str(prim) != "custom_vjp_call" or call is None:
+        return None
+    return getattr(call.jaxpr.debug_info, "func_name", None)

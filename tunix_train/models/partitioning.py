@@ -15,9 +15,15 @@ from flax.core import spmd as flax_spmd
 from jax.sharding import PartitionSpec as P
 
 
+def active_rules() -> dict[str, str | None]:
+    """The logical → mesh axis rules in effect while tracing ({} outside `sharding.activate`);
+    Flax keeps them in `flax.core.spmd` (tests/test_internals.py pins it)."""
+    return dict(flax_spmd.get_logical_axis_rules())
+
+
 def constrain(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
     """Sharding constraint by logical names; axes that do not divide evenly stay unsharded."""
-    rules = dict(flax_spmd.get_logical_axis_rules())
+    rules = active_rules()
     mesh = jax.sharding.get_abstract_mesh()
     if not rules or mesh.empty:
         return x
@@ -59,7 +65,7 @@ def ways(name: str) -> int:
 def _auto_axes(names) -> dict[str, str]:
     """Logical name → the mesh axis the rules map it to, where XLA partitions that axis (not
     manual) and it has more than one device."""
-    rules = dict(flax_spmd.get_logical_axis_rules())
+    rules = active_rules()
     mesh = jax.sharding.get_abstract_mesh()
     if not rules or mesh.empty:
         return {}

@@ -1,10 +1,15 @@
 """Joining a multi-process job: environment discovery and `jax.distributed.initialize`.
 
 Sources, first match wins:
-  1. our launcher or torchrun:  MASTER_ADDR MASTER_PORT RANK WORLD_SIZE [LOCAL_RANK LOCAL_WORLD_SIZE]
+  1. our launcher, torchrun or by hand:  MASTER_ADDR MASTER_PORT RANK WORLD_SIZE
+                                         [LOCAL_RANK LOCAL_WORLD_SIZE]
   2. JAX's own variables:       JAX_COORDINATOR_ADDRESS JAX_NUM_PROCESSES JAX_PROCESS_ID
   3. SLURM or Open MPI:         left to JAX's cluster detection (`initialize()` with no address)
 Anything else is a single-process run and initialises nothing.
+
+Joining never waits in silence: a line every 15 s says for whom; past
+`distributed.init_timeout_s`, or on SIGTERM/SIGINT, the process ends with exit code 5 and one
+sentence (parallel/waiting.py), even though JAX's client blocks inside C++ meanwhile.
 """
 
 from __future__ import annotations
@@ -13,27 +18,34 @@ import logging
 import os
 import signal
 import sys
-import threading
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping, Sequence
 
 import jax
+import numpy as np
 
 from tunix_train.config import ConfigError, DistributedConfig
 from tunix_train.parallel.launcher import LAUNCHER_ENV
+from tunix_train.parallel.rendezvous import PEERS_EXIT_CODE
+from tunix_train.parallel.waiting import Waiting
 
 log = logging.getLogger(__name__)
 
 # JAX aborts the whole process (no Python exception) when its own initialisation deadline
 # passes, so our watchdog fires first and says what to fix; JAX's deadline is a backstop.
 _JAX_DEADLINE_MARGIN_S = 30
-INIT_TIMEOUT_EXIT_CODE = 5  # 2 config error, 3 non-finite loss, 4 stuck step (see cli.py)
+INIT_TIMEOUT_EXIT_CODE = PEERS_EXIT_CODE  # the exit code table is in docs/monitoring.md
+_SOURCES = {"launcher": "started by python -m tunix_train.launch",
+            "env": "MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE",
+            "jax": "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID",
+            "cluster": "SLURM or Open MPI, detected by JAX"}
 
 
 @dataclass(frozen=True)
 class Job:
-    source: str  # launcher | jax | cluster | single
+    source: str  # launcher (ours) | env (MASTER_* set by hand or torchrun) | jax | cluster | single
     coordinator: str | None = None  # host:port of process 0's coordination service
     num_processes: int = 1
     process_id: int = 0
@@ -50,8 +62,9 @@ def discover(env: Mapping[str, str] = os.environ) -> Job:
         if missing:
             raise ConfigError(f"WORLD_SIZE={env['WORLD_SIZE']} is set but {', '.join(missing)} "
                               f"is not; set all of MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE.")
-        return Job("launcher", f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}",
-                   int(env["WORLD_SIZE"]), int(env["RANK"]), **local)
+        return Job("launcher" if env.get(LAUNCHER_ENV) else "env",
+                   f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}", int(env["WORLD_SIZE"]),
+                   int(env["RANK"]), **local)
     if int(env.get("JAX_NUM_PROCESSES", 1)) > 1:
         return Job("jax", env.get("JAX_COORDINATOR_ADDRESS"), int(env["JAX_NUM_PROCESSES"]),
                    int(env.get("JAX_PROCESS_ID", 0)), **local)
@@ -81,12 +94,18 @@ def initialize(cfg: DistributedConfig) -> Job:
     job = discover()
     if job.source == "single":
         return job
-    with _init_watchdog(cfg.init_timeout_s, job):
+    where = job.coordinator or "the cluster's coordinator"
+    hint = (f"start every process with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE="
+            f"{job.num_processes}, or raise distributed.init_timeout_s")
+    # keep_sigterm: once joined, JAX's preemption notifier owns SIGTERM (training/preemption.py).
+    with Waiting(f"the {job.num_processes} processes of the job to join at {where} (this is "
+                 f"process {job.process_id})", cfg.init_timeout_s, INIT_TIMEOUT_EXIT_CODE, hint,
+                 keep_sigterm=True):
         jax.distributed.initialize(**_initialize_args(cfg, job))
     check_homogeneous(jax.devices())
     log.info("process %d of %d (%s); %d local devices of %d: %s", jax.process_index(),
-             jax.process_count(), job.source, jax.local_device_count(), jax.device_count(),
-             jax.devices()[0].device_kind)
+             jax.process_count(), _SOURCES[job.source], jax.local_device_count(),
+             jax.device_count(), jax.devices()[0].device_kind)
     return job
 
 
@@ -103,30 +122,23 @@ def _initialize_args(cfg: DistributedConfig, job: Job) -> dict:
     return args
 
 
-class _init_watchdog:
-    """Exits with one clear sentence if the job does not form within `timeout_s`."""
+def check_same_run_dir(run_dir: Path) -> None:
+    """Refuses a job whose processes write to different run dirs (each would wait for ever on
+    the others' checkpoint commits): one sentence naming them, on every process."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
 
-    def __init__(self, timeout_s: int, job: Job):
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._watch, args=(timeout_s, job), daemon=True)
-
-    def _watch(self, timeout_s: int, job: Job) -> None:
-        if self._done.wait(timeout_s):
-            return
-        log.error(
-            "error: distributed.init_timeout_s=%d passed before all %d processes joined the "
-            "coordinator at %s (this is process %d); start every process with the same "
-            "MASTER_ADDR, MASTER_PORT and WORLD_SIZE, or raise distributed.init_timeout_s.",
-            timeout_s, job.num_processes, job.coordinator or "the cluster's", job.process_id)
-        logging.shutdown()
-        os._exit(INIT_TIMEOUT_EXIT_CODE)  # the main thread is blocked inside JAX's C++ client
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._done.set()
+    encoded = np.zeros(4096, np.uint8)
+    text = str(run_dir.resolve()).encode()[:4096]
+    encoded[:len(text)] = np.frombuffer(text, np.uint8)
+    gathered = np.asarray(multihost_utils.process_allgather(encoded)).reshape(-1, 4096)
+    dirs = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in gathered]
+    if len(set(dirs)) > 1:
+        named = "; ".join(f"process {i}: {d}" for i, d in enumerate(dirs))
+        raise ConfigError(f"the processes of this job write to different run dirs ({named}); "
+                          f"give them all the same hydra.run.dir, or start them with python -m "
+                          f"tunix_train.launch.")
 
 
 def check_homogeneous(devices: Sequence[jax.Device]) -> None:

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tunix_train.parallel.rendezvous import exchange_run_dir
+from tunix_train.parallel.rendezvous import PEERS_EXIT_CODE, PeersError, exchange_run_dir
 
 LAUNCHER_ENV = "TUNIX_TRAIN_LAUNCHER"  # the launcher's pid, in each child's environment
 
@@ -201,7 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     args = parse_args(sys.argv[1:] if argv is None else argv)
     job = node_job(args.nprocs)
-    run_dir = resolve_run_dir(args.overrides, job)
+    try:
+        run_dir = resolve_run_dir(args.overrides, job)
+    except PeersError as error:
+        log.error("error: %s", error)
+        return PEERS_EXIT_CODE
     log.info("launcher: %d processes (ranks %d-%d of %d), coordinator %s:%d, run dir %s",
              job.nprocs, job.first_rank, job.first_rank + job.nprocs - 1, job.world_size,
              job.master_addr, job.master_port, run_dir)

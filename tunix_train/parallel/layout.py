@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 from tunix_train.config import ModelConfig
 from tunix_train.models import hf_weights
 from tunix_train.models.gemma3 import LAYERS, TRAILING, Gemma3
+from tunix_train.models.layers import logical_axes
 from tunix_train.parallel import sharding
 
 
@@ -52,7 +53,7 @@ class ParamLayout:
                 sharding.state_shardings(variables, mesh, rules_of_state)), abstract, mesh)
 
         stacked = nnx.to_pure_dict(nnx.map_state(
-            lambda _, v: v.replace(v.get_metadata()["out_sharding"][0] in (LAYERS, TRAILING)),
+            lambda _, v: v.replace(logical_axes(v)[0] in (LAYERS, TRAILING)),
             variables))
         return cls(mesh, rules, model, graphdef, abstract,
                    shardings(rules.params), shardings(rules.grads), shardings(rules.optimizer),

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import jax
@@ -76,9 +78,25 @@ def parse(mesh_shape: Sequence[Any] | None, num_devices: int) -> MeshShape:
         arithmetic = " × ".join(map(str, sizes))
         raise ConfigError(
             f"model.mesh_shape {list(sizes)} needs {arithmetic} = {math.prod(sizes)} devices but "
-            f"{num_devices} are available; make the product {num_devices} or use -1 on one axis."
+            f"{num_devices} are available; make the product {num_devices} or use -1 on one axis"
+            f"{cpu_hint(math.prod(sizes))}."
         )
     return MeshShape(tuple(sizes), tuple(names))
+
+
+def cpu_hint(wanted: int) -> str:
+    """What to do when JAX runs on the CPU but the mesh was meant for accelerators."""
+    if jax.default_backend() != "cpu":
+        return ""
+    gpu = (", or for this machine's NVIDIA GPUs install JAX's CUDA wheels (pip install -c "
+           "constraints.txt -e '.[cuda]')" if nvidia_gpus_present() else "")
+    return (f"; JAX runs on the CPU here: to simulate {wanted} devices set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={wanted}{gpu}")
+
+
+def nvidia_gpus_present() -> bool:
+    """Whether the machine has NVIDIA GPUs, whatever JAX was installed with."""
+    return Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi") is not None
 
 
 def _split(mesh_shape: Sequence[Any]) -> tuple[tuple[int, ...], tuple[str, ...]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any, Callable
@@ -15,7 +16,10 @@ from tunix_train.analysis import flops, profiling
 from tunix_train.checkpoint import Checkpoints
 from tunix_train.config import Config
 from tunix_train.parallel import distributed
+from tunix_train.parallel import mesh as mesh_lib
 from tunix_train.parallel import stages
+from tunix_train.parallel.rendezvous import PEERS_EXIT_CODE
+from tunix_train.parallel.waiting import Waiting
 from tunix_train.training import state as state_lib
 from tunix_train.training.loop import Loop, StepHooks
 from tunix_train.training.metrics import (MetricsWriter, Throughput, report_costs,
@@ -29,11 +33,15 @@ def run(cfg: Config, run_dir: Path, hooks: StepHooks = StepHooks()) -> dict[str,
     """`hooks`: the tests' fault injection (tests/faulty_training.py); a run has none."""
     config_lib.validate(cfg)
     job = distributed.initialize(cfg.distributed)
+    distributed.check_same_run_dir(run_dir)
     setup_process_logging(jax.process_index())
     setup = Setup.create(cfg, processes_per_node=job.local_world_size)
     data = setup.open_data()
     state = setup.initial_state(run_dir, data.train)
     first_step = int(jax.device_get(state["step"]))
+    if first_step >= cfg.training.steps:
+        data.close()
+        return already_complete(first_step)
     writer = MetricsWriter(run_dir, cfg.logging, cfg.training.steps, first_step)
     log_startup(setup, state, writer)
     train_step = _compiled_train_step(setup, writer, run_dir)
@@ -46,8 +54,10 @@ def run(cfg: Config, run_dir: Path, hooks: StepHooks = StepHooks()) -> dict[str,
             loop = _loop(setup, train_step, data.train, evaluate, writer, checkpoints, hooks,
                          first_step)
             state, summary = loop.run(state, first_step)
-            if not summary["preempted"]:  # the grace period is for saving, not evaluating
-                _final_evaluation(state, summary, evaluate, writer)
+            with finishing(summary["final_step"]):
+                if not summary["preempted"]:  # the grace period is for saving, not evaluating
+                    _final_evaluation(state, summary, evaluate, writer)
+                checkpoints.close()
     finally:
         checkpoints.close()  # waits until the last save has committed
         data.close()
@@ -55,13 +65,41 @@ def run(cfg: Config, run_dir: Path, hooks: StepHooks = StepHooks()) -> dict[str,
     return summary
 
 
+def already_complete(step: int) -> dict[str, Any]:
+    """The summary of a run whose restored checkpoint reaches `training.steps`: found after
+    the restore (which refuses a changed config and sets a damaged step aside) and before any
+    compilation, evaluation or record."""
+    return {"final_step": step, "preempted": False, "complete": True}
+
+
+def finishing(step: int) -> contextlib.AbstractContextManager:
+    """After the last step of a multi-process job, the final evaluation and the last commit
+    wait on every process: said every 30 s, and SIGTERM/SIGINT end the wait (JAX's
+    preemption notifier, which would swallow them, has nothing left to do)."""
+    if jax.process_count() == 1:
+        return contextlib.nullcontext()
+    return Waiting(f"the other processes to finish (final evaluation, checkpoint of step {step})",
+                   None, PEERS_EXIT_CODE, every_s=30)
+
+
 def _compiled_train_step(setup: Setup, writer: MetricsWriter, run_dir: Path) -> Callable:
     """Compiled ahead of time, so memory and communication are known before the first step."""
     compiled = setup.compile_train_step()
-    report_costs(setup.analyse(compiled), writer, run_dir)
+    report_startup_costs(setup, compiled, writer, run_dir)
     if setup.cfg.training.profile_communication:
         return profiling.traced(compiled, run_dir / "tensorboard", setup.cfg.training.steps)
     return compiled
+
+
+def report_startup_costs(setup: Setup, compiled, writer: MetricsWriter, run_dir: Path) -> None:
+    """Memory, FLOPs and collectives of the compiled step, read from XLA's memory analysis and
+    HLO text, whose forms change between releases: a failure here is a warning, never the end
+    of a run (the planner, whose job the analysis is, lets it fail)."""
+    try:
+        report_costs(setup.analyse(compiled), writer, run_dir)
+    except Exception as error:  # noqa: BLE001 - any failure of the report leaves training as is
+        log.warning("the start-up cost report failed (%s: %s); training goes on without it",
+                    type(error).__name__, str(error).splitlines()[0][:200] if str(error) else "")
 
 
 def _loop(setup: Setup, train_step, data, evaluate, writer, checkpoints, hooks: StepHooks,
@@ -95,8 +133,8 @@ def log_startup(setup: Setup, state, writer: MetricsWriter) -> None:
     count = sum(x.size for x in jax.tree.leaves(state["params"]))
     total, per_device = state_lib.param_bytes(state["params"])
     lines = [
-        f"devices: {len(devices)} × {devices[0].device_kind} over {jax.process_count()} "
-        f"process(es); this is process {jax.process_index()}",
+        f"devices: {len(devices)} × {devices[0].device_kind} ({jax.default_backend()}) over "
+        f"{jax.process_count()} process(es); this is process {jax.process_index()}",
         f"mesh: {' × '.join(f'{k}={v}' for k, v in mesh.shape.items())}",
         f"batch: micro_batch {b.rows // fsdp} × fsdp {fsdp} × accumulation {b.accum} = "
         f"{b.sequences} sequences × {b.seq_len} tokens = {b.sequences * b.seq_len:,} tokens "
@@ -109,6 +147,9 @@ def log_startup(setup: Setup, state, writer: MetricsWriter) -> None:
         lines.append(stages.line(pipeline))
     for line in lines:
         log.info(line)
+    if jax.default_backend() == "cpu" and mesh_lib.nvidia_gpus_present():
+        log.warning("this machine has NVIDIA GPUs but JAX runs on the CPU: install JAX's CUDA "
+                    "wheels with pip install -c constraints.txt -e '.[cuda]' (README)")
     log.info("parameters: %s (%.1f MB fp32); per device %.1f MB", f"{count:,}", total / 1e6,
              per_device / 1e6)
     writer.text("mesh", "\n".join(lines))

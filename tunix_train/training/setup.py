@@ -207,15 +207,21 @@ def step_options(cfg: Config, params: ParamLayout, batch: BatchShape) -> StepOpt
 
 def batch_shape(training: TrainingConfig, seq_len: int, fsdp_size: int) -> BatchShape:
     """micro_batch_size × fsdp × accumulation = global batch (sequences per optimizer step)."""
-    accum, micro = training.gradient_accumulation_steps, training.micro_batch_size
-    if training.global_batch_size is not None:
-        if training.global_batch_size % (fsdp_size * accum):
-            raise ConfigError(
-                f"training.global_batch_size={training.global_batch_size} does not divide over "
-                f"fsdp={fsdp_size} × gradient_accumulation_steps={accum}; use a multiple of "
-                f"{fsdp_size * accum}."
-            )
-        micro = training.global_batch_size // (fsdp_size * accum)
+    accum, micro, total = (training.gradient_accumulation_steps, training.micro_batch_size,
+                           training.global_batch_size)
+    if total is None:
+        micro = micro or config_lib.DEFAULT_MICRO_BATCH_SIZE
+    elif micro is not None and micro * fsdp_size * accum != total:
+        raise ConfigError(
+            f"training.global_batch_size={total} but training.micro_batch_size={micro} × fsdp="
+            f"{fsdp_size} × gradient_accumulation_steps={accum} = {micro * fsdp_size * accum}; "
+            f"set only one of the two batch keys.")
+    elif total % (fsdp_size * accum):
+        raise ConfigError(
+            f"training.global_batch_size={total} does not divide over fsdp={fsdp_size} × "
+            f"gradient_accumulation_steps={accum}; use a multiple of {fsdp_size * accum}.")
+    else:
+        micro = total // (fsdp_size * accum)
     return BatchShape(accum=accum, rows=micro * fsdp_size, seq_len=seq_len)
 
 
