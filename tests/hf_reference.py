@@ -23,10 +23,12 @@ CONFIG = dict(
 )
 
 
-def build(path: Path, seed: int = 0) -> Gemma3ForCausalLM:
-    """Saves a random model to `path` and returns it (fp32, eager attention, eval mode)."""
+def build(path: Path, seed: int = 0, **changes) -> Gemma3ForCausalLM:
+    """Saves a random model to `path` and returns it (fp32, eager attention, eval mode);
+    `changes` replace entries of CONFIG (e.g. a larger vocabulary)."""
     torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(Gemma3TextConfig(**CONFIG, attn_implementation="eager")).eval()
+    config = Gemma3TextConfig(**{**CONFIG, **changes}, attn_implementation="eager")
+    model = Gemma3ForCausalLM(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             # Larger than HF's 0.02 init so logits are far from uniform and greedy decoding

@@ -230,32 +230,24 @@ def test_reward_functions_by_name_weights_and_import_path(sums):
 # ---------------------------------------------------------------------------------------------
 # Through run_training.py: it learns, it resumes, it refuses bad input.
 
-def laptop_example(sums: Path, sft: Path) -> tuple[list[str], list[str]]:
-    """docs/grpo.md's SFT and GRPO commands, on this test's files."""
-    from test_docs import shown_commands, split_command
-
-    def localised(command: str) -> list[str]:
-        words = split_command(command)[1]
-        return [w.replace("demo_data/grpo/", f"{sums}/").replace("outputs/sums-sft", str(sft))
-                for w in words if not w.startswith("hydra.run.dir=")]
-
-    sft_command, grpo_command = shown_commands(REPO / "docs" / "grpo.md")
-    return localised(sft_command), localised(grpo_command)
-
-
 @pytest.fixture(scope="module")
-def sft(sums, tmp_path_factory) -> Path:
-    """The tiny model taught the format (and a little arithmetic) by docs/grpo.md's SFT run."""
-    run_dir = tmp_path_factory.mktemp("sft") / "run"
-    sft_args, _ = laptop_example(sums, run_dir)
-    result = run_cli([*sft_args, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run_dir
+def laptop(tmp_path_factory):
+    """docs/grpo.md's laptop example up to its GRPO command, as typed from a fresh copy of the
+    repository (tests/typed_docs.py): the demo data, then the SFT run into outputs/sums-sft."""
+    from typed_docs import Typed, ok, page_commands
+
+    demo_command, sft_command, grpo_command = page_commands("docs/grpo.md")
+    typed = Typed(tmp_path_factory.mktemp("typed") / "tunix_train")
+    ok(typed.run(demo_command))
+    ok(typed.run(sft_command))
+    return typed, grpo_command
 
 
-def grpo_args(sums: Path, sft: Path, run_dir: Path, *extra: str) -> list[str]:
-    _, args = laptop_example(sums, sft)
-    return [*args, "logging.every_steps=1", f"hydra.run.dir={run_dir}", *extra]
+def grpo_words(grpo_command: str, *extra: str) -> list[str]:
+    """The page's GRPO overrides (its relative paths hold in the typed copy), then `extra`."""
+    from test_docs import split_command
+
+    return [*split_command(grpo_command)[1], "logging.every_steps=1", *extra]
 
 
 def metrics(run_dir: Path, key: str) -> dict[int, float]:
@@ -263,16 +255,19 @@ def metrics(run_dir: Path, key: str) -> dict[int, float]:
     return {r["step"]: r[key] for r in lines if key in r}
 
 
-def test_the_laptop_example_learns_and_beats_a_control_run_with_lr_0(sums, sft, tmp_path):
+def test_the_laptop_example_learns_and_beats_a_control_run_with_lr_0(laptop):
+    """The page's GRPO command as typed, and again with optimizer.lr=0 appended."""
+    from typed_docs import ok
+
+    typed, grpo_command = laptop
     window = 12
     rewards = {}
     for control in (False, True):
-        run_dir = tmp_path / f"control{control}"
-        result = run_cli(grpo_args(sums, sft, run_dir, *(["optimizer.lr=0"] if control else [])),
-                         cwd=tmp_path)
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert "reward" in result.stdout  # the logged line shows it
-        rewards[control] = np.array(list(metrics(run_dir, "reward_mean").values()))
+        run_dir = f"outputs/grpo-control-{control}"
+        output = ok(typed.run(grpo_command, "logging.every_steps=1", f"hydra.run.dir={run_dir}",
+                              *(["optimizer.lr=0"] if control else [])))
+        assert "reward" in output  # the logged line shows it
+        rewards[control] = np.array(list(metrics(typed.root / run_dir, "reward_mean").values()))
     trained, control = rewards[False], rewards[True]
     assert len(trained) == len(control) >= 4 * window
     # Both runs see the same prompts in the same order and sample with the same keys: the first
@@ -287,15 +282,17 @@ FAULTY = "tests/faulty_training.py"
 FAULTS = "TUNIX_TRAIN_TEST_FAULTS"
 
 
-def test_sigterm_then_restart_gives_the_uninterrupted_runs_losses(sums, sft, tmp_path):
+def test_sigterm_then_restart_gives_the_uninterrupted_runs_losses(laptop, tmp_path):
+    typed, grpo_command = laptop
     steps = ["training.steps=5", "grpo.num_iterations=2", "training.gradient_accumulation_steps=2",
              "checkpoint.every_steps=0"]
     reference = tmp_path / "reference"
-    result = run_cli(grpo_args(sums, sft, reference, *steps), cwd=tmp_path)
+    args = lambda run_dir: grpo_words(grpo_command, *steps, f"hydra.run.dir={run_dir}")  # noqa: E731
+    result = run_cli(args(reference), cwd=typed.root)
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir, go = tmp_path / "run", tmp_path / "go"
     pause = {FAULTS: json.dumps({"pause_at_step": 2, "resume_file": str(go)})}
-    process = start_cli(grpo_args(sums, sft, run_dir, *steps), tmp_path, pause, script=FAULTY)
+    process = start_cli(args(run_dir), typed.root, pause, script=FAULTY)
     lines = []
     for line in process.stdout:
         lines.append(line)
@@ -304,7 +301,7 @@ def test_sigterm_then_restart_gives_the_uninterrupted_runs_losses(sums, sft, tmp
             go.touch()
     assert process.wait(timeout=300) == 0, "".join(lines)[-3000:]
     assert max(metrics(run_dir, "loss")) == 2
-    result = run_cli(grpo_args(sums, sft, run_dir, *steps), cwd=tmp_path)
+    result = run_cli(args(run_dir), cwd=typed.root)
     assert result.returncode == 0 and "resuming from step 2" in result.stdout + result.stderr
     for key in ("loss", "reward_mean", "kl", "clip_fraction"):
         got, want = metrics(run_dir, key), metrics(reference, key)
@@ -341,18 +338,17 @@ def test_bad_input_is_one_sentence_and_a_nonzero_exit(sums, tmp_path):
         assert "compiled step" not in run["log"]  # refused before compiling anything
 
 
-def test_two_processes_through_the_launcher(sums, sft, tmp_path):
+def test_two_processes_through_the_launcher(laptop):
     """fsdp 2 × tp 2 over two processes of two devices: rollouts, rewards and updates agree
     across processes (process 0's rewards are everyone's), and the run finishes and saves."""
-    from test_launch import devices_env, launch, only_run_dir
+    from test_launch import devices_env, launch
 
-    args = [a for a in grpo_args(sums, sft, tmp_path / "unused", "training.steps=2",
-                                 "model.mesh_shape=[[2,2],[fsdp,tp]]")
-            if not a.startswith("hydra.run.dir=")]
-    proc = launch(args, tmp_path, devices_env(2))
+    typed, grpo_command = laptop
+    args = grpo_words(grpo_command, "training.steps=2", "model.mesh_shape=[[2,2],[fsdp,tp]]")
+    proc = launch(args, typed.root, devices_env(2))
     output = proc.communicate(timeout=400)[0]
     assert proc.returncode == 0, output[-4000:]
-    run_dir = only_run_dir(tmp_path)
+    [run_dir] = [p for p in (typed.root / "outputs" / "tunix-grpo").glob("*/*") if p.is_dir()]
     assert "tunix-grpo" in str(run_dir)  # trainer=grpo's own experiment name
     rewards = metrics(run_dir, "reward_mean")
     assert sorted(rewards) == [1, 2] and all(np.isfinite(list(metrics(run_dir, "loss").values())))

@@ -1,0 +1,124 @@
+"""Docs as typed: the commands README.md and docs/ show, run the way a user types them.
+
+A `Typed` working copy is a fresh copy of the repository's files (what a clone holds: tracked
+files and files not ignored), so relative paths in a command (`outputs/sums-sft`,
+`demo_data/…`, `checkpoints/…`) mean what they mean for a user at the repository root. A
+command runs through `bash` from there, character for character as the page shows it; a test
+may only append overrides after it (CPU scale: a tiny model, fewer steps) and set the
+environment the page tells CPU users to set (`XLA_FLAGS` for simulated devices). Nothing in a
+shown command is replaced.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Appended to training commands to make them CPU-sized (the command's own keys come first, so
+# these win; model keys a checkpoint decides are left out where one is imported).
+TINY_MODEL = ["model.num_layers=7", "model.embed_dim=64", "model.hidden_dim=128",
+              "model.head_dim=16", "model.sliding_window=16"]
+CPU_SCALE = [*TINY_MODEL, "data.seq_len=32", "data.max_corpus_bytes=400000",
+             "training.mixed_precision=fp32"]
+
+
+def cpu_scale(command: str) -> list[str]:
+    """CPU_SCALE for `command`: with pipeline stages, two blocks of layers (one per stage)."""
+    if '"pp"' not in command:
+        return CPU_SCALE
+    return [o.replace("model.num_layers=7", "model.num_layers=12") for o in CPU_SCALE]
+
+
+def page_commands(page: str, containing: str = "") -> list[str]:
+    """Command lines of the ```bash blocks of `page` (a path under the repository root), in
+    order, without comments; only those containing `containing` if given."""
+    text = (REPO / page).read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    lines = [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()]
+    return [line for line in lines if line and not line.startswith("#") and containing in line]
+
+
+def python_blocks(page: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (REPO / page).read_text(), flags=re.S)
+
+
+def repository_files() -> list[str]:
+    """What a clone of the repository holds: tracked files and those git does not ignore."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
+                             "--exclude-standard"], cwd=REPO, capture_output=True, check=True)
+    return [name for name in listed.stdout.decode().split("\0") if name]
+
+
+class Typed:
+    """A fresh copy of the repository where commands run as typed."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        for name in repository_files():
+            source, target = REPO / name, root / name
+            if not source.exists() and not source.is_symlink():
+                continue  # deleted in the working tree, not yet committed
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if source.is_symlink():
+                os.symlink(os.readlink(source), target)
+            else:
+                shutil.copy2(source, target)
+
+    def env(self, extra: dict | None = None) -> dict:
+        """The user's shell: `python` is this interpreter; no simulated devices unless the
+        page sets them (conftest's 8 are the test process's own)."""
+        env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        env.update(extra or {})
+        return env
+
+    def line(self, command: str, append: list[str] | tuple = ()) -> str:
+        return " ".join([command, *map(shlex.quote, append)])
+
+    def run(self, command: str, *append: str, env: dict | None = None,
+            timeout: int = 900) -> subprocess.CompletedProcess:
+        """`command` exactly as shown, then `append`, from the working copy's root."""
+        return subprocess.run(["bash", "-c", self.line(command, append)], cwd=self.root,
+                              env=self.env(env), capture_output=True, text=True,
+                              timeout=timeout)
+
+    def start(self, command: str, *append: str, env: dict | None = None) -> subprocess.Popen:
+        """The same, running; stdout and stderr as one stream of lines."""
+        # bash execs a lone simple command itself (`VAR=… python …` included): signals reach it.
+        return subprocess.Popen(["bash", "-c", self.line(command, append)],
+                                cwd=self.root, env=self.env(env), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1)
+
+    def run_python(self, code: str, env: dict | None = None,
+                   timeout: int = 300) -> subprocess.CompletedProcess:
+        """A page's Python block, exactly as shown, run from the root as a script."""
+        script = self.root / "shown_snippet.py"
+        script.write_text(code)
+        return subprocess.run([sys.executable, script.name], cwd=self.root, env=self.env(env),
+                              capture_output=True, text=True, timeout=timeout)
+
+
+def ok(result: subprocess.CompletedProcess) -> str:
+    """The output of a command that must have succeeded (else the assertion shows its end)."""
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"exit {result.returncode}:\n{output[-4000:]}"
+    return output
+
+
+def last_printed(result: subprocess.CompletedProcess) -> str:
+    """The last line a command that must have succeeded printed on stdout (logs go elsewhere
+    too: stderr's warnings are not what it printed)."""
+    ok(result)
+    return result.stdout.strip().splitlines()[-1]
+
+
+def devices(n: int) -> dict:
+    """The environment docs/distributed_training.md tells CPU users to set."""
+    return {"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
