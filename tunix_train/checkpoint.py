@@ -46,10 +46,13 @@ log = logging.getLogger("tunix_train")
 ITEMS = ("state", "data", "config")
 # Settings that decide the train state's structure or shapes, named when a checkpoint's differ.
 STRUCTURE_KEYS = (
-    *(f"model.{k}" for k in ("num_layers", "embed_dim", "hidden_dim", "num_heads",
-                             "num_kv_heads", "head_dim", "vocab_size", "global_every")),
+    *(f"model.{k}" for k in ("family", "num_layers", "embed_dim", "hidden_dim", "num_heads",
+                             "num_kv_heads", "head_dim", "vocab_size", "global_every",
+                             "tie_embeddings")),
     "optimizer.name", "optimizer.grad_clip", "optimizer.weight_decay",
 )
+# What checkpoints saved before a key existed meant by its absence.
+_BEFORE_THE_KEY = {"model.family": "gemma3", "model.tie_embeddings": True}
 # Tensorstore's status codes for data that is not there or not whole: proof of damage.
 DAMAGE_CODES = ("NOT_FOUND", "OUT_OF_RANGE", "DATA_LOSS", "FAILED_PRECONDITION")
 # ... and for storage that may answer if asked again (absl status codes, as tensorstore spells them).
@@ -316,7 +319,8 @@ def _changed_settings(manager: _Manager, step: int, config: dict | None) -> list
     changed = []
     for dotted in STRUCTURE_KEYS:
         section, key = dotted.split(".")
-        before, now = saved.get(section, {}).get(key), config[section][key]
+        before = saved.get(section, {}).get(key, _BEFORE_THE_KEY.get(dotted))
+        now = config[section][key]
         if before != now:
             changed.append((dotted, before, now))
     return changed

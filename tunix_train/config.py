@@ -26,18 +26,24 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     name: str = "gemma3_tiny"
+    family: str = "gemma3"  # gemma3 | llama3 | qwen3: the architecture (docs/models.md)
     num_layers: int = 6
     embed_dim: int = 128  # d_model
-    hidden_dim: int = 512  # GeGLU width
+    hidden_dim: int = 512  # gated MLP width
     num_heads: int = 4  # query heads
     num_kv_heads: int = 1  # 1 = multi-query attention
     head_dim: int = 32
     vocab_size: int = 512  # >= the tokenizer's vocabulary; extra rows are never produced by data
-    sliding_window: int = 64  # tokens a local layer attends to, itself included
-    global_every: int = 6  # every 6th layer is global (Gemma 3's 5 local : 1 global)
-    local_rope_base: float = 10_000.0
-    global_rope_base: float = 1_000_000.0
-    global_rope_scale: float = 1.0  # linear RoPE scaling on global layers (8 for 4B)
+    tie_embeddings: bool = True  # the output head is the embedding table; false: its own weight
+    sliding_window: int = 64  # Gemma 3: tokens a local layer attends to, itself included
+    global_every: int = 6  # Gemma 3: every 6th layer is global (5 local : 1 global)
+    local_rope_base: float = 10_000.0  # Gemma 3's local layers
+    global_rope_base: float = 1_000_000.0  # full-attention layers (every Llama and Qwen layer)
+    global_rope_scale: float = 1.0  # RoPE scaling factor of those (Gemma 3 4B: 8; Llama 3.1: 8)
+    rope_type: str = "linear"  # how the factor scales: linear | llama3 (by wavelength)
+    rope_low_freq_factor: float = 1.0  # llama3 scaling only
+    rope_high_freq_factor: float = 4.0  # llama3 scaling only
+    rope_original_context: int = 8192  # llama3 scaling only: the pre-training context
     query_pre_attn_scalar: Optional[float] = None  # softmax scale is its -1/2 power; None = head_dim
     rms_norm_eps: float = 1e-6
     attention_impl: str = "auto"  # auto (cudnn on GPUs where it applies, else blockwise) | blockwise | cudnn | pallas | xla
@@ -61,7 +67,7 @@ class DataConfig:
     prompt_field: Optional[str] = None  # jsonl/parquet SFT: with response_field, loss on the
     response_field: Optional[str] = None  # response tokens only
     dtype: str = "uint16"  # tokens: uint16 | uint32 ids in the flat binary file
-    chat_template: bool = False  # prompts: wrap each in Gemma's <start_of_turn>user … turn
+    chat_template: bool = False  # prompts: wrap each in the model family's user turn
     max_corpus_bytes: int = 8_000_000  # cap on the builtin corpus read from disk
     validation_fraction: float = 0.05  # held-out share of documents (or of each tokens file)
     eval_batches: int = 4  # validation batches per evaluation
@@ -266,6 +272,8 @@ _CHOICES = {
     ("training", "nan_policy"): ("halt", "skip"),
     ("training", "grad_reduce_dtype"): ("auto", "fp32"),
     ("model", "attention_impl"): ("auto", "blockwise", "cudnn", "pallas", "xla"),
+    ("model", "family"): ("gemma3", "llama3", "qwen3"),
+    ("model", "rope_type"): ("linear", "llama3"),
     ("logging", "progress"): ("auto", "always", "never"),
     ("data", "packing"): ("concat", "first_fit"),
     ("data", "dtype"): ("uint16", "uint32"),
@@ -285,6 +293,8 @@ _RANGES = {
     ("model", "global_every"): _COUNT, ("model", "local_rope_base"): _POSITIVE,
     ("model", "global_rope_base"): _POSITIVE, ("model", "global_rope_scale"): _POSITIVE,
     ("model", "query_pre_attn_scalar"): _POSITIVE, ("model", "rms_norm_eps"): _POSITIVE,
+    ("model", "rope_low_freq_factor"): _POSITIVE, ("model", "rope_high_freq_factor"): _POSITIVE,
+    ("model", "rope_original_context"): _COUNT,
     ("data", "seq_len"): _COUNT, ("data", "max_corpus_bytes"): _COUNT,
     ("data", "validation_fraction"): _Range(0, 1, low_open=True, high_open=True),
     ("data", "eval_batches"): _COUNT, ("data", "prefetch"): _NATURAL,

@@ -1,6 +1,7 @@
 """`python -m tunix_train.export checkpoint.resume_from=<run dir> export.path=<dir>`
 
-Writes a folder that Hugging Face `transformers` loads as `Gemma3ForCausalLM`: config.json and
+Writes a folder that Hugging Face `transformers` loads as the family's `…ForCausalLM`
+(`Gemma3ForCausalLM`, `LlamaForCausalLM`, `Qwen3ForCausalLM`): config.json and
 safetensors (split at `export.max_shard_gb` with an index). `model.init_from=hf:<dir>` instead
 of a run exports an imported checkpoint (a round trip). If the weights first came from a
 Hugging Face checkpoint that is still there, its tokenizer and generation config are copied;
@@ -66,13 +67,13 @@ def _to_host(params: Any) -> Any:
                         params)
 
 
-def _token_ids(tok: tokenizer_lib.Tokenizer | None, origin: Path | None) -> dict[str, int]:
-    """Special token ids of the tokenizer the weights were trained with."""
+def _token_ids(tok: tokenizer_lib.Tokenizer | None,
+               origin: Path | None) -> dict[str, int] | None:
+    """Special token ids of the tokenizer the weights were trained with (None: the family's)."""
     if origin is not None:
-        hf = hf_config.read(origin)
-        return {k: hf.get(k, v) for k, v in hf_config.GEMMA_TOKEN_IDS.items()}
+        return hf_config.token_ids(origin)
     if tok is None:
-        return dict(hf_config.GEMMA_TOKEN_IDS)
+        return None
     ids = {"pad_token_id": tok.pad_id, "eos_token_id": tok.eos_id, "bos_token_id": tok.bos_id}
     return {k: v for k, v in ids.items() if v is not None}
 

@@ -6,10 +6,11 @@ the model needs, not what the program does (remat's recomputation is not counted
     per token = 6·N                                   every parameter: 2 forward + 4 backward
               + 12 · heads · head_dim · Σ_layers ctx  QKᵀ and AV, forward + backward
     ctx       = mean keys a query attends to: (L+1)/2 for a causal layer over L tokens, and
-                at most `sliding_window` for a local one.
+                at most `window` for a sliding-window one.
 
-N counts the embedding once: it is the output projection (tied weights), a real matmul, while
-the input lookup costs nothing. This is PaLM's (Chowdhery et al. 2022, app. B) formula with the
+N counts the output projection, a real matmul, but not the input lookup, which costs nothing:
+with tied weights the embedding counts once (as the head), with an output head of its own the
+embedding table is left out. This is PaLM's (Chowdhery et al. 2022, app. B) formula with the
 causal half and Gemma's windows made exact.
 """
 
@@ -20,7 +21,7 @@ import logging
 import jax
 
 from tunix_train.config import LoggingConfig, ModelConfig
-from tunix_train.models.gemma3 import LayerLayout, count_params
+from tunix_train.models import families
 
 log = logging.getLogger("tunix_train")
 
@@ -44,10 +45,12 @@ def mean_context(seq_len: int, window: int | None) -> float:
 
 
 def training_flops_per_token(model: ModelConfig, seq_len: int) -> float:
-    layout = LayerLayout.of(model)
-    context = (layout.num_local * mean_context(seq_len, model.sliding_window)
-               + layout.num_global * mean_context(seq_len, None))
-    return 6.0 * count_params(model) + 12.0 * model.num_heads * model.head_dim * context
+    layout = families.layout(model)
+    context = sum(layout.count(stack) * mean_context(seq_len, layout.window(stack))
+                  for stack in layout.stacks)
+    matmul_params = families.count_params(model) - (
+        0 if model.tie_embeddings else families.embedding_size(model))
+    return 6.0 * matmul_params + 12.0 * model.num_heads * model.head_dim * context
 
 
 def peak_flops_per_device(cfg: LoggingConfig, device: jax.Device) -> float | None:

@@ -21,9 +21,6 @@ from tunix_train.data import tokenizer as tokenizer_lib
 
 log = logging.getLogger("tunix_train")
 
-CHAT_TEMPLATE = "<start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n"  # Gemma's
-
-
 @dataclass(frozen=True)
 class Prompt:
     text: str  # as written in the record (the reward functions see this)
@@ -31,17 +28,18 @@ class Prompt:
     fields: dict[str, Any]  # the record's other fields
 
 
-def read_prompts(data: DataConfig, tokenizer: tokenizer_lib.Tokenizer,
-                 max_tokens: int) -> list[Prompt]:
+def read_prompts(data: DataConfig, tokenizer: tokenizer_lib.Tokenizer, max_tokens: int,
+                 chat_turn: str) -> list[Prompt]:
     """Every usable record of data.path; prompts longer than `max_tokens` are left out (with a
-    warning saying how many), and none left is an error."""
+    warning saying how many), and none left is an error. `chat_turn`: the model family's turn
+    format ({prompt} where the prompt goes), used with `data.chat_template=true`."""
     files = sources.resolve(data.path, "prompts", "data.path")
     records = [record for file in files for record in _records(file, data.prompt_field)]
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     prompts, too_long = [], 0
     for record in records:
         text = record.pop(data.prompt_field)
-        shown = CHAT_TEMPLATE.format(prompt=text) if data.chat_template else text
+        shown = chat_turn.format(prompt=text) if data.chat_template else text
         ids = (*bos, *tokenizer.encode(shown).tolist())
         if len(ids) > max_tokens:
             too_long += 1

@@ -37,6 +37,7 @@ from tunix_train.grpo.prompts import PromptOrder, read_prompts
 from tunix_train.grpo.rewards import Rewards
 from tunix_train.grpo.rollouts import (EXTRA_INPUTS, RolloutMaker, Rollouts, on_devices,
                                       reference_scorer)
+from tunix_train.models import families
 from tunix_train.parallel import distributed
 from tunix_train.training.loop import Loop, StepHooks
 from tunix_train.training.metrics import MetricsWriter, Throughput, setup_process_logging
@@ -64,7 +65,8 @@ def run(cfg: Config, run_dir: Path, hooks: StepHooks = StepHooks()) -> dict[str,
             f"{g.num_generations}.")
     tokenizer = tokenizer_lib.open_tokenizer(cfg.data.tokenizer)
     tokenizer_lib.check_vocab(tokenizer, cfg.model.vocab_size)
-    prompts = read_prompts(cfg.data, tokenizer, setup.batch.seq_len - g.max_new_tokens)
+    prompts = read_prompts(cfg.data, tokenizer, setup.batch.seq_len - g.max_new_tokens,
+                           families.of(cfg.model).chat_turn)
     rewards = Rewards.create(g, prompts[0].fields)
     order = PromptOrder(prompts, setup.batch.sequences // g.num_generations, cfg.training.seed)
     state = setup.initial_state(run_dir, order)

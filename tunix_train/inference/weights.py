@@ -4,7 +4,6 @@ a training run's checkpoint (`checkpoint.resume_from=<run dir>`), a Hugging Face
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Iterable
@@ -18,10 +17,6 @@ from tunix_train.parallel import mesh as mesh_lib
 from tunix_train.parallel.layout import ParamLayout
 
 log = logging.getLogger("tunix_train")
-
-# Model keys that belong to the command at hand, not to the saved weights.
-_RUNTIME_KEYS = ("mesh_shape", "sharding_rules", "attention_impl", "unroll_layers")
-
 
 def for_inference(cfg: Config, explicit: Iterable[str]) -> tuple[Config, ParamLayout, Any]:
     """(config with the weights' model dimensions, their layout on the current mesh, the
@@ -47,10 +42,10 @@ def saved_model_config(run_dir: str | Path, current: ModelConfig,
                        explicit: Iterable[str]) -> ModelConfig:
     """The saved run's model (newest committed step), placed on the current command's mesh."""
     saved = checkpoint.saved_config(run_dir)
-    fields = {f.name for f in dataclasses.fields(ModelConfig)} - set(_RUNTIME_KEYS)
+    # The command's own keys stay (mesh, attention); `init_from` stays as a record of where
+    # the weights first came from (export copies that checkpoint's tokenizer).
+    fields = set(hf_config.CHECKPOINT_KEYS) | {"name", "init_from"}
     model = {k: v for k, v in saved["model"].items() if k in fields}
-    # `init_from` stays as a record of where the weights first came from (export copies that
-    # checkpoint's tokenizer); the weights themselves are read from this run.
     return hf_config.adopt(current, model, explicit, f"the checkpoint of {run_dir}")
 
 

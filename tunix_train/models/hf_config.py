@@ -1,10 +1,9 @@
-"""Hugging Face Gemma 3 `config.json` ↔ our `ModelConfig`.
+"""Hugging Face `config.json` ↔ our `ModelConfig`, for every family.
 
-Two styles of `config.json` exist: released checkpoints write `rope_theta` + `rope_local_base_freq`
-(+ `rope_scaling`, `sliding_window_pattern`); newer `transformers` writes `rope_parameters` per
-layer type and an explicit `layer_types` list. Both are read; exports write both, so old and new
-`transformers` load them alike. Multimodal checkpoints (Gemma 3 4B and up) nest the text model
-under `text_config` and omit what equals `Gemma3TextConfig`'s defaults, which are listed here.
+`model_type` names the family (models/families.py); the family reads and writes its own keys
+(models/<family>.py), with transformers' defaults filled in for keys a checkpoint leaves out, and
+refuses by name the options it does not implement. Multimodal Gemma 3 checkpoints nest the text
+model under `text_config`.
 """
 
 from __future__ import annotations
@@ -16,36 +15,16 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from tunix_train.config import ConfigError, ModelConfig
+from tunix_train.models import families
+from tunix_train.models.family import Family
 from tunix_train.paths import HF_PREFIX
 
-# Gemma3TextConfig's defaults, for keys a checkpoint's config.json leaves out.
-_HF_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
-    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
-    "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096,
-    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "sliding_window_pattern": 6,
-    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
-}
-
-# Our key ← config.json key, for the dimensions taken over one to one.
-_DIRECT = {
-    "vocab_size": "vocab_size", "embed_dim": "hidden_size", "hidden_dim": "intermediate_size",
-    "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
-    "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
-    "sliding_window": "sliding_window", "rms_norm_eps": "rms_norm_eps",
-    "query_pre_attn_scalar": "query_pre_attn_scalar",
-}
-
-# Every ModelConfig key that a checkpoint decides; the rest (mesh, sharding, attention_impl) is ours.
-CHECKPOINT_KEYS = (*_DIRECT, "global_every", "local_rope_base", "global_rope_base",
-                   "global_rope_scale")
-
-# Features of other Gemma versions our model does not implement: (key, the value we support).
-_UNSUPPORTED = (
-    ("hidden_activation", "gelu_pytorch_tanh"), ("tie_word_embeddings", True),
-    ("final_logit_softcapping", None), ("attn_logit_softcapping", None),
-    ("attention_bias", False), ("use_bidirectional_attention", False),
-)
+# ModelConfig keys that are not the checkpoint's to decide: the command's own.
+RUNTIME_KEYS = ("name", "init_from", "mesh_shape", "sharding_rules", "attention_impl",
+                "unroll_layers")
+# Every ModelConfig key that a checkpoint decides.
+CHECKPOINT_KEYS = tuple(f.name for f in dataclasses.fields(ModelConfig)
+                        if f.name not in RUNTIME_KEYS)
 
 
 def checkpoint_dir(init_from: str) -> Path:
@@ -53,7 +32,7 @@ def checkpoint_dir(init_from: str) -> Path:
     if not init_from.startswith(HF_PREFIX):
         raise ConfigError(
             f"model.init_from={init_from!r} is not supported; use hf:<folder of a Hugging Face "
-            f"Gemma 3 checkpoint>."
+            f"checkpoint>."
         )
     path = Path(init_from[len(HF_PREFIX):]).expanduser()
     if not (path / "config.json").is_file():
@@ -64,71 +43,24 @@ def checkpoint_dir(init_from: str) -> Path:
     return path
 
 
-def read(path: Path) -> dict[str, Any]:
-    """The text model's config.json entries, with Gemma3TextConfig's defaults filled in."""
+def read(path: Path) -> tuple[Family, dict[str, Any]]:
+    """The family of the checkpoint at `path` and its (text) model's config.json entries,
+    with the family's defaults filled in."""
     raw = json.loads((path / "config.json").read_text())
     text = raw.get("text_config", raw) if raw.get("model_type") == "gemma3" else raw
-    if text.get("model_type", "gemma3_text") != "gemma3_text":
-        raise ConfigError(
-            f"model.init_from: {path / 'config.json'} describes model_type "
-            f"{text.get('model_type')!r}; only Gemma 3 (gemma3_text, gemma3) is supported."
-        )
+    if "model_type" not in text and "text_config" in raw:
+        text = {**text, "model_type": "gemma3_text"}
+    family = families.by_model_type(text.get("model_type", "gemma3_text"),
+                                    str(path / "config.json"))
+    defaults = family.hf_defaults()
     # An explicit null for a defaulted key (e.g. "rope_scaling": null) means the default.
-    return {**_HF_DEFAULTS,
-            **{k: v for k, v in text.items() if v is not None or k not in _HF_DEFAULTS}}
+    return family, {**defaults,
+                    **{k: v for k, v in text.items() if v is not None or k not in defaults}}
 
 
-def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
+def model_fields(family: Family, hf: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig fields described by a config.json (as returned by `read`)."""
-    for key, supported in _UNSUPPORTED:
-        if hf.get(key, supported) != supported:
-            raise ConfigError(
-                f"model.init_from: config.json has {key}={hf[key]!r}, which this Gemma 3 "
-                f"implementation does not support (it needs {supported!r})."
-            )
-    fields = {ours: hf[theirs] for ours, theirs in _DIRECT.items()}
-    fields["global_every"] = _global_every(hf)
-    fields.update(_rope(hf))
-    return fields
-
-
-def _global_every(hf: dict[str, Any]) -> int:
-    layers = hf["num_hidden_layers"]
-    types = hf.get("layer_types")
-    if types is None:
-        return int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))
-    full = [i for i, t in enumerate(types) if t == "full_attention"]
-    every = full[0] + 1 if full else layers + 1  # no global layer at all: one incomplete block
-    expected = ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
-                for i in range(layers)]
-    if list(types) != expected:
-        raise ConfigError(
-            "model.init_from: config.json's layer_types is not a repeating pattern of local "
-            "layers followed by one global layer, which is the only layout supported."
-        )
-    return every
-
-
-def _rope(hf: dict[str, Any]) -> dict[str, float]:
-    params = hf.get("rope_parameters")
-    if params is not None and "full_attention" in params:
-        full, local = params["full_attention"], params.get("sliding_attention", {})
-        full_theta = full.get("rope_theta", hf["rope_theta"])
-        local_theta = local.get("rope_theta", hf["rope_local_base_freq"])
-        scaling = full
-        if local.get("rope_type", "default") != "default":
-            raise ConfigError("model.init_from: scaled RoPE on local layers is not supported.")
-    else:
-        full_theta, local_theta = hf["rope_theta"], hf["rope_local_base_freq"]
-        scaling = hf.get("rope_scaling") or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in ("default", "linear"):
-        raise ConfigError(
-            f"model.init_from: RoPE type {kind!r} is not supported (default and linear are)."
-        )
-    factor = float(scaling.get("factor", 1.0)) if kind == "linear" else 1.0
-    return {"local_rope_base": float(local_theta), "global_rope_base": float(full_theta),
-            "global_rope_scale": factor}
+    return {"family": family.name, **family.from_hf(hf)}
 
 
 def resolve(model: ModelConfig, explicit: Iterable[str]) -> ModelConfig:
@@ -136,7 +68,7 @@ def resolve(model: ModelConfig, explicit: Iterable[str]) -> ModelConfig:
     if not model.init_from:
         return model
     path = checkpoint_dir(model.init_from)
-    adopted = adopt(model, model_fields(read(path)), explicit, str(path / "config.json"))
+    adopted = adopt(model, model_fields(*read(path)), explicit, str(path / "config.json"))
     return dataclasses.replace(adopted, name=path.name)
 
 
@@ -158,34 +90,22 @@ def adopt(model: ModelConfig, fields: dict[str, Any], explicit: Iterable[str],
 
 
 def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, str) or isinstance(b, str) or isinstance(a, bool) or isinstance(b, bool):
+        return a == b
     return math.isclose(float(a), float(b), rel_tol=1e-9) if isinstance(a, float) or \
         isinstance(b, float) else a == b
 
 
-# Gemma's tokenizer: <pad> 0, <eos> 1, <bos> 2.
-GEMMA_TOKEN_IDS = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
-
-
 def to_hf(model: ModelConfig, token_ids: dict[str, int] | None = None) -> dict[str, Any]:
-    """A Gemma3ForCausalLM config.json for `model`, in both the new and the legacy style."""
-    layer_types = ["full_attention" if (i + 1) % model.global_every == 0 else "sliding_attention"
-                   for i in range(model.num_layers)]
-    full_rope = {"rope_type": "default", "rope_theta": model.global_rope_base}
-    rope_scaling = None
-    if model.global_rope_scale != 1.0:
-        rope_scaling = {"rope_type": "linear", "factor": model.global_rope_scale}
-        full_rope.update(rope_scaling)
-    config = {theirs: getattr(model, ours) for ours, theirs in _DIRECT.items()}
-    config.update(
-        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
-        query_pre_attn_scalar=model.query_pre_attn_scalar or model.head_dim,
-        layer_types=layer_types, sliding_window_pattern=model.global_every,
-        rope_parameters={"full_attention": full_rope, "sliding_attention": {
-            "rope_type": "default", "rope_theta": model.local_rope_base}},
-        rope_theta=model.global_rope_base, rope_local_base_freq=model.local_rope_base,
-        rope_scaling=rope_scaling, hidden_activation="gelu_pytorch_tanh",
-        tie_word_embeddings=True, attention_bias=False, final_logit_softcapping=None,
-        attn_logit_softcapping=None, max_position_embeddings=131_072,
-        **(token_ids or GEMMA_TOKEN_IDS),
-    )
-    return config
+    """A `<Family>ForCausalLM` config.json for `model`."""
+    family = families.of(model)
+    return {"architectures": list(family.architectures), **family.to_hf(model),
+            **(token_ids if token_ids is not None else family.default_token_ids)}
+
+
+def token_ids(path: Path) -> dict[str, int]:
+    """The special token ids a Hugging Face checkpoint's config.json names (its family's
+    defaults where it names none)."""
+    family, hf = read(path)
+    return {k: hf.get(k, v) if hf.get(k) is not None else v
+            for k, v in family.default_token_ids.items()}

@@ -1,12 +1,15 @@
-"""Hugging Face Gemma 3 safetensors ↔ our parameter tree (`nnx.to_pure_dict` of `Gemma3`).
+"""Hugging Face safetensors ↔ our parameter tree (`nnx.to_pure_dict` of a `Decoder`), for every
+family: the family names the tensors (models/<family>.py), the layout says which HF layer is
+which row of which stack.
 
 Import never materialises a whole tensor on one device: every parameter is built with
 `jax.make_array_from_callback`, and each device's shard is read straight from the files with
 safetensors' lazy `get_slice`, so a process reads only the bytes its own devices hold.
 
 Layouts: HF stores each layer's linear maps as torch `[out, in]` matrices with heads flattened
-into one axis; we keep `[in, out]` with heads as their own axes, and the layers of each kind
-stacked on a leading axis (`LayerLayout.placement()` says which HF layer is which entry).
+into one axis; we keep `[in, out]` with heads as their own axes (models/hf_layouts.py), and the
+layers of each stack stacked on a leading axis (`StackLayout.placement()` says which HF layer
+is which entry).
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import contextlib
 import json
 import logging
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -23,92 +25,21 @@ import jax
 import numpy as np
 
 from tunix_train.config import ConfigError, ModelConfig
-from tunix_train.models.gemma3 import LayerLayout
+from tunix_train.models import families
+from tunix_train.models.hf_layouts import Layout, hf_shape, read_box, to_hf
 
 log = logging.getLogger("tunix_train")
 
 
-@dataclass(frozen=True)
-class Layout:
-    """ours = hf.reshape(view).transpose(perm); `groups` are the view axes of each HF axis."""
-
-    perm: tuple[int, ...]
-    groups: tuple[tuple[int, ...], ...]
-
-
-VECTOR = Layout((0,), ((0,),))
-MATRIX = Layout((0, 1), ((0,), (1,)))
-TRANSPOSE = Layout((1, 0), ((0,), (1,)))
-HEADS_OUT = Layout((2, 0, 1), ((0, 1), (2,)))  # HF [N*H, D] → ours [D, N, H]
-HEADS_IN = Layout((1, 2, 0), ((0,), (1, 2)))  # HF [D, N*H] → ours [N, H, D]
-
-TOP_LEVEL = {
-    ("embedder", "embedding"): ("embed_tokens.weight", MATRIX),
-    ("final_norm", "scale"): ("norm.weight", VECTOR),
-}
-PER_LAYER = {
-    ("attention", "q"): ("self_attn.q_proj.weight", HEADS_OUT),
-    ("attention", "k"): ("self_attn.k_proj.weight", HEADS_OUT),
-    ("attention", "v"): ("self_attn.v_proj.weight", HEADS_OUT),
-    ("attention", "o"): ("self_attn.o_proj.weight", HEADS_IN),
-    ("attention", "q_norm", "scale"): ("self_attn.q_norm.weight", VECTOR),
-    ("attention", "k_norm", "scale"): ("self_attn.k_norm.weight", VECTOR),
-    ("mlp", "gate"): ("mlp.gate_proj.weight", TRANSPOSE),
-    ("mlp", "up"): ("mlp.up_proj.weight", TRANSPOSE),
-    ("mlp", "down"): ("mlp.down_proj.weight", TRANSPOSE),
-    ("pre_attention_norm", "scale"): ("input_layernorm.weight", VECTOR),
-    ("post_attention_norm", "scale"): ("post_attention_layernorm.weight", VECTOR),
-    ("pre_mlp_norm", "scale"): ("pre_feedforward_layernorm.weight", VECTOR),
-    ("post_mlp_norm", "scale"): ("post_feedforward_layernorm.weight", VECTOR),
-}
-
-
-def _view(layout: Layout, shape: tuple[int, ...]) -> list[int]:
-    view = [0] * len(shape)
-    for ours, axis in enumerate(layout.perm):
-        view[axis] = shape[ours]
-    return view
-
-
-def hf_shape(layout: Layout, shape: tuple[int, ...]) -> tuple[int, ...]:
-    view = _view(layout, shape)
-    return tuple(math.prod(view[a] for a in group) for group in layout.groups)
-
-
-def read_box(tensor, layout: Layout, shape: tuple[int, ...], box: tuple[slice, ...]) -> np.ndarray:
-    """`ours[box]` read from an HF tensor (a safetensors slice), touching only the rows needed.
-
-    A merged HF axis (heads × head_dim) is read over whole inner blocks, then cut to the box.
-    """
-    view = _view(layout, shape)
-    view_box = [slice(0)] * len(shape)
-    for ours, axis in enumerate(layout.perm):
-        view_box[axis] = slice(*box[ours].indices(shape[ours])[:2])
-    hf_index, block_shape, inner = [], [], []
-    for group in layout.groups:
-        outer, size = view_box[group[0]], math.prod(view[a] for a in group[1:])
-        hf_index.append(slice(outer.start * size, outer.stop * size))
-        block_shape.append(outer.stop - outer.start)
-        inner.append(slice(None))
-        for axis in group[1:]:
-            block_shape.append(view[axis])
-            inner.append(view_box[axis])
-    block = np.asarray(tensor[tuple(hf_index)]).reshape(block_shape)[tuple(inner)]
-    return block.transpose(layout.perm)
-
-
-def to_hf(layout: Layout, ours: np.ndarray) -> np.ndarray:
-    return ours.transpose(np.argsort(layout.perm)).reshape(hf_shape(layout, ours.shape))
-
-
 def hf_tensors(model: ModelConfig, prefix: str = "model.") -> Iterator[tuple[str, tuple, Layout, int | None]]:
     """(HF name, our leaf path, layout, index in our layer stack or None), in HF's order."""
-    for path, (name, layout) in TOP_LEVEL.items():
-        yield prefix + name, path, layout, None
-    for layer, (kind, index) in enumerate(LayerLayout.of(model).placement()):
-        stack = f"{kind}_layers"
-        for path, (name, layout) in PER_LAYER.items():
-            yield f"{prefix}layers.{layer}.{name}", (stack, *path), layout, index
+    family = families.of(model)
+    for path, tensor in family.hf_top_level(model).items():
+        yield ("" if tensor.top else prefix) + tensor.name, path, tensor.layout, None
+    per_layer = family.hf_per_layer(model)
+    for layer, (stack, index) in enumerate(families.layout(model).placement()):
+        for path, tensor in per_layer.items():
+            yield f"{prefix}layers.{layer}.{tensor.name}", (stack, *path), tensor.layout, index
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,7 +62,7 @@ class CheckpointFiles:
         embed = [n for n in self._where if n.endswith("embed_tokens.weight")]
         if len(embed) != 1:
             raise ConfigError(f"model.init_from: {path} has no single embed_tokens.weight tensor.")
-        # "model." (Gemma3ForCausalLM) or "language_model.model." (multimodal 4B and up).
+        # "model." (…ForCausalLM) or "language_model.model." (multimodal Gemma 3 from 4B).
         self.prefix = embed[0][: -len("embed_tokens.weight")]
 
     def tensor(self, name: str, expected_shape: tuple[int, ...]):
@@ -157,11 +88,11 @@ def load_init_from(model: ModelConfig, abstract_params: Any, shardings: Any) -> 
 
 def read_params(path: Path, model: ModelConfig, abstract_params: Any, shardings: Any) -> Any:
     """Parameters read from the checkpoint at `path`, each created directly in its sharding."""
-    sources: dict[tuple, list] = {}
-    for name, leaf, layout, index in hf_tensors(model, prefix=""):
-        sources.setdefault(leaf, []).append((name, layout, index))
     with contextlib.ExitStack() as stack:
         files = CheckpointFiles(path, stack)
+        sources: dict[tuple, list] = {}
+        for name, leaf, layout, index in hf_tensors(model, prefix=files.prefix):
+            sources.setdefault(leaf, []).append((name, layout, index))
         flat = {}
         for leaf_path, abstract in _flatten(abstract_params).items():
             sharding = _get(shardings, leaf_path)
@@ -176,7 +107,7 @@ def _load_leaf(files: CheckpointFiles, sources: list, abstract, sharding) -> jax
     dtype = abstract.dtype
 
     def read(name: str, layout: Layout, box: tuple[slice, ...]) -> np.ndarray:
-        tensor = files.tensor(files.prefix + name, hf_shape(layout, shape))
+        tensor = files.tensor(name, hf_shape(layout, shape))
         return read_box(tensor, layout, shape, box).astype(dtype)
 
     def callback(index: tuple[slice, ...]) -> np.ndarray:

@@ -1,16 +1,15 @@
-"""The key/value cache for decoding: per layer kind, fixed-size slot arrays written in place.
+"""The key/value cache for decoding: per layer stack, fixed-size slot arrays written in place.
 
 Rows are left-padded so every row writes its next token into the same column; a token at column
-c goes to slot `c % size`. Global layers get a slot per column (size = prompt + new tokens);
-local layers a ring of `sliding_window` slots, since nothing older is ever attended to again.
+c goes to slot `c % size`. Full-attention layers get a slot per column (size = prompt + new
+tokens); sliding-window layers a ring of `window` slots, since nothing older is attended to again.
 Each slot remembers the position of its token (-1 = empty or padding), and attention masks are
 built from positions alone, so padding, ring wrap-around and the window are handled alike.
 
-    cache = {"local":  {"layers": {"k", "v": [layers, B, S, K, H]}, "positions": [B, S]},
-             "global": {... the same ...}, "trailing": {... the same ...},
+    cache = {"<stack>": {"layers": {"k", "v": [layers, B, S, K, H]}, "positions": [B, S]},
+             ... one per stack (models/family.py: Gemma 3's local_layers, global_layers,
+             trailing_layers; Llama's and Qwen's layers) ...,
              "next": int32[]  (column of the next token written)}
-
-One entry per layer stack (models/gemma3.py); a stack with no layers has none.
 """
 
 from __future__ import annotations
@@ -73,10 +72,10 @@ def advance(cache: Cache, positions_BxT: jax.Array, kvs: dict) -> Cache:
     """The cache after T new tokens: their keys/values (written per layer, per stack in `kvs`)
     and positions."""
     new = dict(cache, next=cache["next"] + positions_BxT.shape[1])
-    for kind, kv in kvs.items():
-        if kind in cache:
+    for stack, kv in kvs.items():
+        if stack in cache:
             slots, n = _slots(cache["next"], positions_BxT.shape[1],
-                              cache[kind]["positions"].shape[1])
-            positions = cache[kind]["positions"].at[:, slots].set(positions_BxT[:, -n:])
-            new[kind] = {"layers": kv, "positions": positions}
+                              cache[stack]["positions"].shape[1])
+            positions = cache[stack]["positions"].at[:, slots].set(positions_BxT[:, -n:])
+            new[stack] = {"layers": kv, "positions": positions}
     return new

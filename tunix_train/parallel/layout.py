@@ -19,8 +19,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from tunix_train.config import ModelConfig
-from tunix_train.models import hf_weights
-from tunix_train.models.gemma3 import LAYERS, TRAILING, Gemma3
+from tunix_train.models import families, hf_weights
+from tunix_train.models.family import LAYERS, TRAILING
 from tunix_train.models.layers import logical_axes
 from tunix_train.parallel import sharding
 
@@ -42,9 +42,10 @@ class ParamLayout:
     @classmethod
     def create(cls, model: ModelConfig, mesh: Mesh, zero_stage: int, remat: str = "none",
                mixed_precision: str = "auto", pipeline_repeats: int = 1) -> ParamLayout:
+        families.of(model).check(model)
         rules = sharding.stage_rules(model, mesh, zero_stage, pipeline_repeats)
-        graphdef, variables = nnx.split(nnx.eval_shape(lambda: Gemma3(model, rngs=nnx.Rngs(0),
-                                                                      remat=remat)))
+        graphdef, variables = nnx.split(nnx.eval_shape(
+            lambda: families.build(model, nnx.Rngs(0), remat)))
 
         abstract = nnx.to_pure_dict(variables)
 
@@ -64,7 +65,8 @@ class ParamLayout:
         created directly in its sharding."""
         if self.model.init_from:
             return hf_weights.load_init_from(self.model, self.abstract, self.shardings)
-        return jax.jit(lambda: nnx.to_pure_dict(nnx.state(Gemma3(self.model, rngs=nnx.Rngs(seed)))),
+        return jax.jit(lambda: nnx.to_pure_dict(nnx.state(families.build(self.model,
+                                                                          nnx.Rngs(seed)))),
                        out_shardings=self.shardings)()
 
 

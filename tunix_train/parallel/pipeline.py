@@ -1,7 +1,7 @@
 """Pipeline parallelism: GPipe or a circular schedule in one SPMD program, inside the train
 step's shard_map.
 
-On a mesh with a `pp` axis the block stacks (models/gemma3.py: the [locals..., global] blocks)
+On a mesh with a `pp` axis the block stacks (models/family.py: the layers blocks are made of)
 are sharded over `pp` along their layer axis, so stage s holds blocks s·n/pp … (s+1)·n/pp - 1
 and every device of a stage runs the same program on its own slice. Where pp does not divide
 the n blocks (gemma3_4b: 5), each stage runs ⌊n/pp⌋ and the n mod pp left over run after the
@@ -39,7 +39,7 @@ over pp above moves a stage's weights each micro-step, which GPipe's storage avo
 Where the rest lives, and why. The embedding is a row lookup: every stage does it for all M
 micro-batches (no FLOPs worth splitting, and no activations to move), only stage 0's result
 is used. The output head and the loss are the largest single cost after the blocks (gemma3_1b:
-~30% of the FLOPs), and so are the trailing locals: the last stage's outputs are spread over
+~30% of the FLOPs), and so are the trailing layers: the last stage's outputs are spread over
 the stages (a reduce-scatter over pp) and each stage computes the trailing layers, the head and
 the loss of M / pp micro-batches. Everything outside the blocks is therefore used by every
 stage, and its gradient is summed over pp (parallel/collectives.py); it is stored as ZeRO says over
@@ -61,7 +61,7 @@ from tunix_train.models import params as model_params
 from tunix_train.models.head import VocabChunks
 from tunix_train.parallel.collectives import cpu_safe_reduction
 from tunix_train.parallel.mesh import PP
-from tunix_train.parallel.stages import BLOCK_STACKS, Schedule, Stages
+from tunix_train.parallel.stages import Schedule, Stages
 
 
 def rotate(stage_fn: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
@@ -134,8 +134,7 @@ def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: dict, plan: Schedule,
     if after is not None:  # the leftover blocks
         hidden = after.blocks(hidden, ropes, segments)
     hidden = model.tail(hidden, ropes, segments)
-    token_loss = model.embedder.token_losses(hidden, _stage_share(batch["targets"], plan),
-                                             vocab_chunks)
+    token_loss = model.head_losses(hidden, _stage_share(batch["targets"], plan), vocab_chunks)
     weights = _stage_share(batch["weights"], plan)
     return jnp.sum(token_loss * weights), {"tokens": jnp.sum(weights)}
 
@@ -164,7 +163,7 @@ def _stage_stacks(graphdef: nnx.GraphDef, params: Any, split: Stages
     its iterations (ZeRO-3: gathered once, their gradients reduced once after the pipeline's
     backward pass), and the model with the leftover blocks that run after the stages (None
     when there are none)."""
-    stacks = [stack for stack in BLOCK_STACKS if stack in params]
+    stacks = split.layout.block_stacks
     if not split.stored_whole:
         return {s: model_params.materialize_stack(params[s]) for s in stacks}, None
     # The stacks are stored whole over pp (sharding.resolve_rules). A circular stage's chunks

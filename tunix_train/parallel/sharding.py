@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tunix_train.config import ConfigError, ModelConfig
-from tunix_train.models.gemma3 import LayerLayout
+from tunix_train.models import families
 from tunix_train.parallel.mesh import FSDP, PP, TP
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ def resolve_rules(model: ModelConfig, mesh: Mesh,
     rules = {**RULES, **model.sharding_rules}
     if PP not in mesh.shape:
         rules = {name: None if axis == PP else axis for name, axis in rules.items()}
-    elif rules["layers"] == PP and (LayerLayout.of(model).num_blocks % mesh.shape[PP]
+    elif rules["layers"] == PP and (families.layout(model).num_blocks % mesh.shape[PP]
                                     or pipeline_repeats > 1):
         # Blocks that do not divide into the stages, or a circular schedule's stages of chunks
         # apart: the stacks are stored whole over pp and ZeRO splits them over fsdp × pp

@@ -15,12 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from tunix_train.config import ConfigError, ModelConfig
-from tunix_train.models.gemma3 import LayerLayout
+from tunix_train.models import families
+from tunix_train.models.family import StackLayout
 from tunix_train.parallel.fsdp import GradientSync, local_gradient_bytes
 
 log = logging.getLogger(__name__)
 MAX_BUBBLE = 0.25  # the default number of pipeline micro-batches keeps the bubble at most this
-BLOCK_STACKS = ("local_layers", "global_layers")  # what the stages are cut from
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,8 @@ class Schedule:
 
 
 def check_layers(model: ModelConfig, pp: int, repeats: int = 1) -> None:
-    """Pipeline stages are cut from whole [locals..., global] blocks, at least one per chunk
-    (`repeats` chunks per stage)."""
+    """Pipeline stages are cut from whole blocks (models/family.py: the repeating unit of a
+    model's layers), at least one per chunk (`repeats` chunks per stage)."""
     if pp == 1:
         if repeats > 1:
             raise ConfigError(
@@ -54,14 +54,14 @@ def check_layers(model: ModelConfig, pp: int, repeats: int = 1) -> None:
                 f"model.mesh_shape={model.mesh_shape} has no pp axis; set "
                 f"training.pipeline_repeats=1 or add a pp axis.")
         return
-    layout = LayerLayout.of(model)
+    layout = families.layout(model)
     if layout.num_blocks < pp:
         fix = (f"use a pp of at most {layout.num_blocks} or no pp axis"
                if layout.num_blocks > 1 else "use no pp axis")
         raise ConfigError(
             f"model.num_layers={model.num_layers} has {layout.num_blocks} block(s) of "
-            f"model.global_every={model.global_every} layers, too few for pp={pp} pipeline "
-            f"stages of at least one block each; {fix}.")
+            f"{layout.layers_per_block} layer(s), too few for pp={pp} pipeline stages of at "
+            f"least one block each; {fix}.")
     if layout.num_blocks < pp * repeats:
         raise ConfigError(
             f"training.pipeline_repeats={repeats} cuts the {layout.num_blocks} block(s) of "
@@ -81,10 +81,10 @@ class Stages:
     repeats: int
     chunk: int
     leftover: int
-    layout: LayerLayout
+    layout: StackLayout
 
     @classmethod
-    def of(cls, layout: LayerLayout, pp: int, repeats: int = 1) -> "Stages":
+    def of(cls, layout: StackLayout, pp: int, repeats: int = 1) -> "Stages":
         return cls(pp, repeats, *divmod(layout.num_blocks, pp * repeats), layout)
 
     @property
@@ -100,19 +100,19 @@ class Stages:
 
     @property
     def layers_per_stage(self) -> int:
-        return self.per_stage * (self.layout.locals_per_block + 1)
+        return self.per_stage * self.layout.layers_per_block
 
     @property
     def layers_per_chunk(self) -> int:
-        return self.chunk * (self.layout.locals_per_block + 1)
+        return self.chunk * self.layout.layers_per_block
 
     @property
     def layers_after(self) -> int:
-        return self.leftover * (self.layout.locals_per_block + 1) + self.layout.trailing_locals
+        return self.leftover * self.layout.layers_per_block + self.layout.trailing_layers
 
     def rows(self, stack: str) -> int:
-        """Rows of `stack` (one of BLOCK_STACKS) each stage runs."""
-        return self.per_stage * self._rows_per_block(stack)
+        """Rows of `stack` (one of the layout's block stacks) each stage runs."""
+        return self.per_stage * self.layout.rows_per_block(stack)
 
     def row_order(self, stack: str) -> np.ndarray:
         """The rows of `stack` reordered so that each stage's are consecutive, its chunks in
@@ -121,11 +121,8 @@ class Stages:
         blocks = [(r * pp + s) * chunk + j for s in range(pp) for r in range(self.repeats)
                   for j in range(chunk)]
         blocks += range(pp * self.per_stage, self.layout.num_blocks)
-        per_block = self._rows_per_block(stack)
+        per_block = self.layout.rows_per_block(stack)
         return np.array([b * per_block + i for b in blocks for i in range(per_block)])
-
-    def _rows_per_block(self, stack: str) -> int:
-        return self.layout.locals_per_block if stack == "local_layers" else 1
 
 
 def schedule(pp: int, rows: int, microbatches: int | None, repeats: int = 1) -> Schedule:
@@ -168,7 +165,7 @@ def describe(plan: Schedule | None, model: ModelConfig, rows: int) -> dict[str, 
     """The schedule as the planner records it (`rows`: per fsdp shard and micro-step)."""
     if plan is None:
         return None
-    split = Stages.of(LayerLayout.of(model), plan.stages, plan.repeats)
+    split = Stages.of(families.layout(model), plan.stages, plan.repeats)
     return {"stages": plan.stages, "microbatches": plan.microbatches,
             "rows_per_microbatch": rows // plan.microbatches, "repeats": plan.repeats,
             "layers_per_stage": split.layers_per_stage,
@@ -201,4 +198,4 @@ def reduced_gradient_bytes(sync: GradientSync, params: Any, dtype: jnp.dtype,
     others = 1 - (split.per_stage + split.leftover) / split.layout.num_blocks
     return total - round(others * sum(
         local_gradient_bytes(dataclasses.replace(sync, grad_specs=sync.grad_specs[stack]),
-                             params[stack], dtype) for stack in BLOCK_STACKS if stack in params))
+                             params[stack], dtype) for stack in split.layout.block_stacks))

@@ -15,6 +15,7 @@ from tunix_train import config as config_lib
 from tunix_train.analysis import flops, profiling
 from tunix_train.checkpoint import Checkpoints
 from tunix_train.config import Config
+from tunix_train.models import families
 from tunix_train.parallel import distributed
 from tunix_train.parallel import mesh as mesh_lib
 from tunix_train.parallel import stages
@@ -132,7 +133,11 @@ def log_startup(setup: Setup, state, writer: MetricsWriter) -> None:
     fsdp = setup.options.sync.fsdp
     count = sum(x.size for x in jax.tree.leaves(state["params"]))
     total, per_device = state_lib.param_bytes(state["params"])
+    m = cfg.model
     lines = [
+        f"model: {m.name} ({families.of(m).display}: {m.num_layers} layers, d {m.embed_dim}, "
+        f"{m.num_heads} heads ({m.num_kv_heads} KV) of {m.head_dim}, vocab {m.vocab_size}, "
+        f"{'tied' if m.tie_embeddings else 'own'} output head)",
         f"devices: {len(devices)} × {devices[0].device_kind} ({jax.default_backend()}) over "
         f"{jax.process_count()} process(es); this is process {jax.process_index()}",
         f"mesh: {' × '.join(f'{k}={v}' for k, v in mesh.shape.items())}",

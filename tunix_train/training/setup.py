@@ -28,7 +28,7 @@ from tunix_train.analysis import costs
 from tunix_train.config import Config, ConfigError, TrainingConfig
 from tunix_train.data import pipeline
 from tunix_train.data.pipeline import BatchShape
-from tunix_train.models.gemma3 import LayerLayout
+from tunix_train.models import families
 from tunix_train.models.head import VocabChunks
 from tunix_train.parallel import fsdp, sharding
 from tunix_train.parallel import stages
@@ -172,7 +172,7 @@ class Setup:
         }
         plan = self.options.pipeline
         split = None if plan is None else stages.Stages.of(
-            LayerLayout.of(self.cfg.model), plan.stages, plan.repeats)
+            families.layout(self.cfg.model), plan.stages, plan.repeats)
         return costs.analyse(compiled, self.options.sync, abstract["params"], model_state, split)
 
 

@@ -1,0 +1,266 @@
+"""The decoder every family is: an embedding, scanned stacks of layers, a final norm and the
+output head, laid out as the family's `StackLayout` says (models/family.py).
+
+The forward pass is a scan over the blocks, each block running its stacks' layers in order
+(a scan over a stack's rows in the block, or one call for a single row), then the trailing
+stacks' scans; compile time is independent of depth. Each stack's attention window and RoPE are
+static, which is what lets cuDNN's flash attention run. The blocks are also what pipeline
+stages are cut from: `blocks()` runs whichever blocks this module holds, all of them or one
+stage's chunk (parallel/pipeline.py), and `rope`, `embed`, `tail` and `head_losses` are the
+other pieces a pipeline stage runs. `model.unroll_layers=true` unrolls the scans: on CPU the
+step runs ~1.4x faster (XLA schedules across layers), at a compile time that grows with depth.
+
+Shapes are written into names: B batch, L sequence, D embed, T new tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tunix_train.config import ModelConfig
+from tunix_train.models import kv_cache, layers, rope
+from tunix_train.models.attention import Attention
+from tunix_train.models.family import Architecture, Family
+from tunix_train.models.head import VocabChunks
+from tunix_train.models.layers import MLP, PROJECTION, Embedder, RMSNorm, Unembedding
+from tunix_train.models.params import materialize, never_saving_materialized
+from tunix_train.models.partitioning import constrain
+
+# What the backward pass keeps of a layer's forward (`training.remat`). None of them keeps the
+# layer's materialized parameters (models/params.py): FSDP gathers them again instead.
+REMAT_POLICIES = {name: never_saving_materialized(policy) for name, policy in {
+    "none": jax.checkpoint_policies.everything_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # Matmuls without batch dimensions: the projections (layers.project, named because on CPU
+    # a custom VJP hides their dot from the policy) and the output head; attention recomputed.
+    "save_dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(PROJECTION)),
+}.items()}
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm attention and MLP blocks with residual adds; with the family's post-norms (Gemma
+    2 and 3), each block's output is normalised again before the add."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, arch: Architecture):
+        eps, offset = cfg.rms_norm_eps, arch.norm_offset
+        self.pre_attention_norm = RMSNorm(cfg.embed_dim, eps, offset)
+        self.attention = Attention(cfg, rngs, arch)
+        self.pre_mlp_norm = RMSNorm(cfg.embed_dim, eps, offset)
+        self.mlp = MLP(cfg, rngs, arch.activation)
+        if arch.post_norms:
+            self.post_attention_norm = RMSNorm(cfg.embed_dim, eps, offset)
+            self.post_mlp_norm = RMSNorm(cfg.embed_dim, eps, offset)
+        self.post_norms = arch.post_norms
+
+    def __call__(self, x_BxLxD, cos_sin, segment_ids_BxL, window: int | None) -> jax.Array:
+        attn = self.attention(self.pre_attention_norm(x_BxLxD), cos_sin, segment_ids_BxL, window)
+        return self._mlp_block(x_BxLxD + self._post(attn, "post_attention_norm"))
+
+    def decode(self, x_BxTxD, cos_sin, positions_BxT, cache: kv_cache.LayerView,
+               window: int | None) -> tuple[jax.Array, dict]:
+        attn, written = self.attention.decode(self.pre_attention_norm(x_BxTxD), cos_sin,
+                                              positions_BxT, cache, window)
+        return self._mlp_block(x_BxTxD + self._post(attn, "post_attention_norm")), written
+
+    def _mlp_block(self, x_BxLxD: jax.Array) -> jax.Array:
+        x_BxLxD = x_BxLxD + self._post(self.mlp(self.pre_mlp_norm(x_BxLxD)), "post_mlp_norm")
+        return constrain(x_BxLxD, ("act_batch", "act_seq", "act_embed"))
+
+    def _post(self, y_BxLxD: jax.Array, norm: str) -> jax.Array:
+        return getattr(self, norm)(y_BxLxD) if self.post_norms else y_BxLxD
+
+
+def _stacked_layers(cfg: ModelConfig, arch: Architecture, count: int, rngs: nnx.Rngs,
+                    axis: str) -> DecoderLayer:
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
+    def make(layer_rngs: nnx.Rngs) -> DecoderLayer:
+        return DecoderLayer(cfg, layer_rngs, arch)
+
+    return make(rngs)
+
+
+class Decoder(nnx.Module):
+    """One family's model. Its stacks are attributes named as the layout names them (Gemma 3:
+    `local_layers`, `global_layers`, `trailing_layers`; Llama and Qwen: `layers`)."""
+
+    def __init__(self, cfg: ModelConfig, family: Family, *, rngs: nnx.Rngs, remat: str = "none"):
+        self.cfg = cfg
+        self.layout = family.layout(cfg)
+        self.ropes = family.ropes(cfg)
+        self.remat = remat
+        arch = family.architecture
+        self.embedder = Embedder(cfg, rngs, arch.embed_scale)
+        for stack in self.layout.stacks:
+            setattr(self, stack, _stacked_layers(cfg, arch, self.layout.count(stack), rngs,
+                                                 self.layout.axis(stack)))
+        self.final_norm = RMSNorm(cfg.embed_dim, cfg.rms_norm_eps, arch.norm_offset)
+        if not cfg.tie_embeddings:
+            self.head = Unembedding(cfg, rngs)
+
+    def __call__(
+        self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None,
+        segment_ids_BxL: jax.Array | None = None,
+    ) -> jax.Array:
+        """Logits [B, L, V] in the parameters' dtype."""
+        return self.logits(self.hidden(tokens_BxL, positions_BxL, segment_ids_BxL))
+
+    def token_losses(self, tokens_BxL: jax.Array, targets_BxL: jax.Array,
+                     positions_BxL: jax.Array | None = None,
+                     segment_ids_BxL: jax.Array | None = None,
+                     vocab_chunks: VocabChunks = VocabChunks(),
+                     temperature: float = 1.0) -> jax.Array:
+        """Next-token cross-entropy [B, L] in fp32, the vocabulary a chunk at a time: minus the
+        targets' log-probabilities under softmax(logits / temperature) (the head is linear, so
+        dividing its input divides the logits)."""
+        hidden_BxLxD = self.hidden(tokens_BxL, positions_BxL, segment_ids_BxL)
+        if temperature != 1.0:
+            hidden_BxLxD = hidden_BxLxD / jnp.asarray(temperature, hidden_BxLxD.dtype)
+        return self.head_losses(hidden_BxLxD, targets_BxL, vocab_chunks)
+
+    def hidden(self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None,
+               segment_ids_BxL: jax.Array | None = None) -> jax.Array:
+        """The final normalised hidden states [B, L, D], the output head's input."""
+        if positions_BxL is None:
+            positions_BxL = jnp.broadcast_to(jnp.arange(tokens_BxL.shape[1]), tokens_BxL.shape)
+        ropes = self.rope(positions_BxL)
+        x_BxLxD = self.blocks(self.embed(tokens_BxL), ropes, segment_ids_BxL)
+        return self.tail(x_BxLxD, ropes, segment_ids_BxL)
+
+    # The pieces, in order: rope → embed → blocks → tail → head_losses (or logits).
+
+    def rope(self, positions_BxL: jax.Array) -> dict[str, rope.CosSin]:
+        """Per stack, the RoPE cos/sin tables [B, L, 1, H] of these positions (a pipeline
+        computes them once for all its micro-batches)."""
+        return rope.tables(positions_BxL, self.ropes, self.cfg.head_dim)
+
+    def embed(self, tokens_BxL: jax.Array) -> jax.Array:
+        x_BxLxD = self.embedder.encode(tokens_BxL)
+        return constrain(x_BxLxD, ("act_batch", "act_seq", "act_embed"))
+
+    def blocks(self, x_BxLxD: jax.Array, ropes: dict[str, rope.CosSin],
+               segment_ids_BxL: jax.Array | None) -> jax.Array:
+        """The blocks whose layers this module holds: all of them, or one pipeline stage's
+        chunk when the stacks are one (parallel/pipeline.py)."""
+        steps = self._scan_steps(ropes, segment_ids_BxL, self.layout.block_stacks)
+        x_BxLxD, _ = self._run_blocks(x_BxLxD, steps, self._states(self.layout.block_stacks))
+        return x_BxLxD
+
+    def tail(self, x_BxLxD: jax.Array, ropes: dict[str, rope.CosSin],
+             segment_ids_BxL: jax.Array | None) -> jax.Array:
+        """The trailing layers and the final norm."""
+        stacks = self.layout.trailing_stacks
+        steps = self._scan_steps(ropes, segment_ids_BxL, stacks)
+        for stack in stacks:
+            x_BxLxD, _ = jax.lax.scan(steps[stack], x_BxLxD, nnx.state(getattr(self, stack)),
+                                      unroll=self.cfg.unroll_layers)
+        return _materialized(self.final_norm)(x_BxLxD)
+
+    def head_losses(self, hidden_BxLxD: jax.Array, targets_BxL: jax.Array,
+                    vocab_chunks: VocabChunks = VocabChunks()) -> jax.Array:
+        """Cross-entropy [B, L] (fp32) of the output head, fused with it (models/head.py)."""
+        return layers.token_losses(hidden_BxLxD, self._head_table(), targets_BxL, vocab_chunks)
+
+    def logits(self, hidden_BxLxD: jax.Array) -> jax.Array:
+        return layers.logits(hidden_BxLxD, self._head_table())
+
+    def _head_table(self) -> nnx.Param:
+        return (self.embedder if self.cfg.tie_embeddings else self.head).table()
+
+    # Generation with a KV cache.
+
+    def decode(self, tokens_BxT: jax.Array, positions_BxT: jax.Array,
+               cache: kv_cache.Cache) -> tuple[jax.Array, kv_cache.Cache]:
+        """Logits [B, T, V] of T new tokens attending to the cache and themselves; the cache
+        with the new keys and values written. Positions < 0 mark padding (attends to nothing)."""
+        x_BxTxD = self.embed(tokens_BxT)
+        ropes = self.rope(positions_BxT)
+        steps, xs = {}, {}  # per stack: the scan body, and (layer params, layer caches) to scan
+        for stack in self.layout.stacks:
+            steps[stack] = self._decode_step(getattr(self, stack), ropes[stack], positions_BxT,
+                                             cache[stack], cache["next"],
+                                             self.layout.window(stack))
+            xs[stack] = (nnx.state(getattr(self, stack)), cache[stack]["layers"])
+        x_BxTxD, kvs = self._run_blocks(x_BxTxD, steps, xs)
+        for stack in self.layout.trailing_stacks:
+            x_BxTxD, kvs[stack] = jax.lax.scan(steps[stack], x_BxTxD, xs[stack])
+        logits_BxTxV = self.logits(_materialized(self.final_norm)(x_BxTxD))
+        return logits_BxTxV, kv_cache.advance(cache, positions_BxT, kvs)
+
+    def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype) -> kv_cache.Cache:
+        """An empty cache for rows of up to `max_len` tokens (prompt and generated together):
+        a slot per column for full attention, a ring of `window` slots for a sliding window."""
+        cfg, cache = self.cfg, {"next": jnp.zeros((), jnp.int32)}
+        for stack in self.layout.stacks:
+            window = self.layout.window(stack)
+            size = max_len if window is None else min(window, max_len)
+            cache[stack] = kv_cache.empty(self.layout.count(stack), batch, size,
+                                          cfg.num_kv_heads, cfg.head_dim, dtype)
+        return cache
+
+    def _states(self, stacks) -> dict[str, nnx.State]:
+        return {stack: nnx.state(getattr(self, stack)) for stack in stacks}
+
+    def _run_blocks(self, x, steps: dict, xs: dict):
+        """Runs the blocks: a scan over blocks, each running its segments in order. `xs`: per
+        block stack, per-layer inputs stacked like the layers (parameters, and caches when
+        decoding); returns x and per block stack the per-layer outputs, stacked the same way.
+        How many blocks there are is read off the stacks (a pipeline stage holds a slice)."""
+        stacks = [s for s in self.layout.block_stacks if s in xs]
+        if not stacks:
+            return x, {}
+        per_block = {s: self.layout.rows_per_block(s) for s in stacks}
+        blocks = jax.tree.leaves(xs[stacks[0]])[0].shape[0] // per_block[stacks[0]]
+        by_block = {s: jax.tree.map(lambda a, n=per_block[s]: a.reshape(blocks, n, *a.shape[1:]),
+                                    xs[s]) for s in stacks}
+
+        def block(x, block_xs):
+            ys = {}
+            for s in stacks:
+                if per_block[s] == 1:  # one layer: called, not scanned
+                    x, y = steps[s](x, jax.tree.map(lambda a: a[0], block_xs[s]))
+                    ys[s] = jax.tree.map(lambda a: a[None], y)
+                else:
+                    x, ys[s] = jax.lax.scan(steps[s], x, block_xs[s],
+                                            unroll=self.cfg.unroll_layers)
+            return x, ys
+
+        x, ys = jax.lax.scan(block, x, by_block, unroll=self.cfg.unroll_layers)
+        return x, {s: jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), y)
+                   for s, y in ys.items()}
+
+    def _scan_steps(self, ropes, segment_ids_BxL, stacks) -> dict:
+        """The remat'ed scan body of each stack in `stacks`."""
+        return {stack: self._scan_step(getattr(self, stack), ropes[stack], segment_ids_BxL,
+                                       self.layout.window(stack)) for stack in stacks}
+
+    def _scan_step(self, stack, cos_sin, segment_ids_BxL, window):
+        graphdef = nnx.graphdef(stack)
+
+        def step(x_BxLxD, layer_state):
+            layer = nnx.merge(graphdef, materialize(layer_state))
+            return layer(x_BxLxD, cos_sin, segment_ids_BxL, window), None
+
+        # prevent_cse=False: the scan already keeps iterations apart.
+        return jax.checkpoint(step, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+
+    @staticmethod
+    def _decode_step(stack, cos_sin, positions_BxT, stack_cache, next_column, window):
+        graphdef = nnx.graphdef(stack)
+
+        def step(x_BxTxD, xs):
+            layer_state, layer_kv = xs
+            layer = nnx.merge(graphdef, materialize(layer_state))
+            view = kv_cache.LayerView(layer_kv, stack_cache["positions"], next_column)
+            return layer.decode(x_BxTxD, cos_sin, positions_BxT, view, window)
+
+        return step
+
+
+def _materialized(module: nnx.Module) -> nnx.Module:
+    graphdef, state = nnx.split(module)
+    return nnx.merge(graphdef, materialize(state))

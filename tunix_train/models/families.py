@@ -1,0 +1,51 @@
+"""The registry of model families: `model.family` → its `Family` (models/family.py), and the
+model built from it. The one place that names every family; a new family adds its module and a
+line here (docs/models.md, "Adding a model family")."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from tunix_train.config import ConfigError, ModelConfig
+from tunix_train.models import gemma3, llama3, qwen3
+from tunix_train.models.decoder import Decoder
+from tunix_train.models.family import Family, StackLayout
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (gemma3.FAMILY, llama3.FAMILY, qwen3.FAMILY)}
+
+
+def of(model: ModelConfig) -> Family:
+    if model.family not in FAMILIES:
+        raise ConfigError(f"model.family={model.family!r} is not one of "
+                          f"{', '.join(FAMILIES)}.")
+    return FAMILIES[model.family]
+
+
+def by_model_type(model_type: str, source: str) -> Family:
+    """The family whose Hugging Face `model_type` this is (`source`: the file, for errors)."""
+    for candidate in FAMILIES.values():
+        if model_type in candidate.model_types:
+            return candidate
+    known = ", ".join(t for f in FAMILIES.values() for t in f.model_types)
+    raise ConfigError(f"model.init_from: {source} describes model_type {model_type!r}; the "
+                      f"supported ones are {known}.")
+
+
+def build(model: ModelConfig, rngs: nnx.Rngs, remat: str = "none") -> Decoder:
+    return Decoder(model, of(model), rngs=rngs, remat=remat)
+
+
+def layout(model: ModelConfig) -> StackLayout:
+    return of(model).layout(model)
+
+
+def count_params(model: ModelConfig) -> int:
+    """Parameter count from shapes alone (no allocation)."""
+    abstract = nnx.eval_shape(lambda: build(model, nnx.Rngs(0)))
+    return sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+
+
+def embedding_size(model: ModelConfig) -> int:
+    """Parameters of the input embedding alone (a lookup: no FLOPs when the head is its own)."""
+    return model.vocab_size * model.embed_dim

@@ -1,0 +1,64 @@
+"""How a Hugging Face tensor maps onto ours: torch's `[out, in]` matrices with heads flattened
+into one axis, against our `[in, out]` with heads as axes of their own. Read a box of ours
+straight from a lazily opened safetensors slice, or turn ours back into HF's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Layout:
+    """ours = hf.reshape(view).transpose(perm); `groups` are the view axes of each HF axis."""
+
+    perm: tuple[int, ...]
+    groups: tuple[tuple[int, ...], ...]
+
+
+VECTOR = Layout((0,), ((0,),))
+MATRIX = Layout((0, 1), ((0,), (1,)))
+TRANSPOSE = Layout((1, 0), ((0,), (1,)))
+HEADS_OUT = Layout((2, 0, 1), ((0, 1), (2,)))  # HF [N*H, D] → ours [D, N, H]
+HEADS_IN = Layout((1, 2, 0), ((0,), (1, 2)))  # HF [D, N*H] → ours [N, H, D]
+
+
+def _view(layout: Layout, shape: tuple[int, ...]) -> list[int]:
+    view = [0] * len(shape)
+    for ours, axis in enumerate(layout.perm):
+        view[axis] = shape[ours]
+    return view
+
+
+def hf_shape(layout: Layout, shape: tuple[int, ...]) -> tuple[int, ...]:
+    view = _view(layout, shape)
+    return tuple(math.prod(view[a] for a in group) for group in layout.groups)
+
+
+def read_box(tensor, layout: Layout, shape: tuple[int, ...], box: tuple[slice, ...]) -> np.ndarray:
+    """`ours[box]` read from an HF tensor (a safetensors slice), touching only the rows needed.
+
+    A merged HF axis (heads × head_dim) is read over whole inner blocks, then cut to the box.
+    """
+    view = _view(layout, shape)
+    view_box = [slice(0)] * len(shape)
+    for ours, axis in enumerate(layout.perm):
+        view_box[axis] = slice(*box[ours].indices(shape[ours])[:2])
+    hf_index, block_shape, inner = [], [], []
+    for group in layout.groups:
+        outer, size = view_box[group[0]], math.prod(view[a] for a in group[1:])
+        hf_index.append(slice(outer.start * size, outer.stop * size))
+        block_shape.append(outer.stop - outer.start)
+        inner.append(slice(None))
+        for axis in group[1:]:
+            block_shape.append(view[axis])
+            inner.append(view_box[axis])
+    block = np.asarray(tensor[tuple(hf_index)]).reshape(block_shape)[tuple(inner)]
+    return block.transpose(layout.perm)
+
+
+def to_hf(layout: Layout, ours: np.ndarray) -> np.ndarray:
+    return ours.transpose(np.argsort(layout.perm)).reshape(hf_shape(layout, ours.shape))
