@@ -29,6 +29,23 @@ TINY = [
 ]
 
 
+# Every family's tiny model, for the tests' shared family matrix: as small as TINY, with at
+# least two blocks (pipeline stages) and, for Gemma 3, a trailing layer after them.
+FAMILY_MODELS = {
+    "gemma3": ["model.num_layers=5", "model.global_every=2", *TINY[1:5]],
+    "llama3": ["model=llama3_tiny", "model.embed_dim=64", "model.hidden_dim=128",
+               "model.head_dim=16"],
+    "qwen3": ["model=qwen3_tiny", "model.embed_dim=64", "model.hidden_dim=128",
+              "model.head_dim=16"],
+}
+FAMILIES = list(FAMILY_MODELS)
+
+
+def family_tiny(family: str, *overrides: str) -> list[str]:
+    """TINY for `family`: its tiny model, then TINY's data and training settings."""
+    return [*FAMILY_MODELS[family], *TINY[5:], *overrides]
+
+
 def compose_config(*overrides: str) -> Config:
     with initialize_config_dir(str(REPO / "configs"), version_base=None):
         cfg = compose("config", overrides=list(overrides))

@@ -1,4 +1,5 @@
-"""A tiny random Hugging Face Gemma 3 (the reference implementation), saved to safetensors.
+"""Tiny random Hugging Face models of each family (the reference implementations), saved to
+safetensors.
 
 Only imported by tests that need `torch` and `transformers` (the `hf` extra)."""
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+import transformers
 
 # Exercises what Gemma 3 has that a plain decoder does not: grouped-query attention (4 query,
 # 2 KV heads), per-head q/k norms, local layers with a sliding window (8 < the test sequences)
@@ -21,29 +22,58 @@ CONFIG = dict(
     rope_scaling={"rope_type": "linear", "factor": 2.0}, sliding_window_pattern=3,
     max_position_embeddings=1024,
 )
+# Llama 3: grouped-query attention, an output head of its own, and the llama3 RoPE scaling
+# with an original context of 64 tokens, so that of head dim 16's eight frequencies the first
+# is kept, the second smoothed and the rest divided by the factor.
+LLAMA = dict(
+    vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+    rope_theta=500_000.0, tie_word_embeddings=False, max_position_embeddings=1024,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+)
+# Qwen 3: per-head q/k norms, RoPE base 1M, the head tied to the embedding.
+QWEN = dict(
+    vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0, tie_word_embeddings=True, max_position_embeddings=1024,
+)
+
+# family → (config class, model class, settings)
+FAMILIES = {
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", CONFIG),
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", LLAMA),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", QWEN),
+}
 
 
-def build(path: Path, seed: int = 0, **changes) -> Gemma3ForCausalLM:
-    """Saves a random model to `path` and returns it (fp32, eager attention, eval mode);
-    `changes` replace entries of CONFIG (e.g. a larger vocabulary)."""
+def model_class(family: str):
+    return getattr(transformers, FAMILIES[family][1])
+
+
+def build(path: Path, seed: int = 0, family: str = "gemma3", **changes):
+    """Saves a random model of `family` to `path` and returns it (fp32, eager attention, eval
+    mode); `changes` replace entries of its settings (e.g. a larger vocabulary)."""
+    config_class, model_class_name, settings = FAMILIES[family]
     torch.manual_seed(seed)
-    config = Gemma3TextConfig(**{**CONFIG, **changes}, attn_implementation="eager")
-    model = Gemma3ForCausalLM(config).eval()
+    config = getattr(transformers, config_class)(**{**settings, **changes},
+                                                 attn_implementation="eager")
+    model = getattr(transformers, model_class_name)(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             # Larger than HF's 0.02 init so logits are far from uniform and greedy decoding
-            # does not collapse onto one token; norm scales away from their zero init.
+            # does not collapse onto one token; norm scales away from their initial values.
             param.normal_(0.0, 1.0 if "norm" in name else 0.12)
     model.save_pretrained(path)
     return model
 
 
-def logits(model: Gemma3ForCausalLM, tokens: np.ndarray) -> np.ndarray:
+def logits(model, tokens: np.ndarray) -> np.ndarray:
     with torch.no_grad():
         return model(torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
 
 
-def greedy(model: Gemma3ForCausalLM, prompt: list[int], new_tokens: int) -> list[int]:
+def greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
     """transformers' own greedy `generate` (with its KV cache), new tokens only."""
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0

@@ -123,3 +123,30 @@ def test_no_production_code_can_switch_on_fault_injection():
         imported = {alias.name for node in ast.walk(tree)
                     if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
         assert "faults" not in imported and "Faults" not in imported, path
+
+
+FAMILY_MODULES = {"tunix_train.models.gemma3", "tunix_train.models.llama3",
+                  "tunix_train.models.qwen3"}
+OUTSIDE_MODELS = ("tunix_train.parallel", "tunix_train.training", "tunix_train.inference",
+                  "tunix_train.analysis", "tunix_train.grpo")
+
+
+def test_families_are_registered_not_imported_by_the_layers_that_use_models():
+    """The distribution layer and everything above it see a model through models/family.py,
+    families.py and decoder.py: none imports a family's module or spells a family's stacks."""
+    from tunix_train.config import ModelConfig
+    from tunix_train.models import families
+    from tunix_train.models.family import LAYERS, TRAILING
+
+    every_stack = ModelConfig(num_layers=13, global_every=6)  # blocks and trailing layers
+    stacks = {s for f in families.FAMILIES.values() for s in f.layout(every_stack).stacks}
+    stacks -= {LAYERS, TRAILING}  # also the logical axes of layer stacks, which rules name
+    assert stacks == {"local_layers", "global_layers"}
+    assert {f"tunix_train.models.{name}" for name in families.FAMILIES} == FAMILY_MODULES
+    for name, targets in GRAPH.items():
+        if name.startswith(OUTSIDE_MODELS):
+            assert not targets & FAMILY_MODULES, name
+            spelled = set(_code_strings(ast.parse(MODULES[name].read_text()))) & stacks
+            assert not spelled, (name, spelled)
+    importers = {name for name, targets in GRAPH.items() if targets & FAMILY_MODULES}
+    assert importers == {"tunix_train.models.families", "tunix_train.models.qwen3"}

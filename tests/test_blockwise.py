@@ -2,6 +2,8 @@
 gradients with document masks and sliding windows, through the real train step on a sharded
 mesh, its memory against the sequence length, and which attention path `auto` picks."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,7 @@ import pytest
 
 from helpers import TINY, compose_config, mesh_arg, train_losses
 from tunix_train.analysis import hlo
-from tunix_train.models import blockwise, layers
+from tunix_train.models import attention, blockwise
 
 
 def dense(q, k, v, segment_ids, window, scale):
@@ -107,9 +109,9 @@ def assert_train_step_equals_dense(implementation: str) -> None:
 
 
 def test_auto_picks_cudnn_on_a_gpu_unless_a_document_bias_would_be_large(monkeypatch):
-    path_of = layers.attention_path
-    monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
-    bf16, long = jnp.bfloat16, layers.CUDNN_BIAS_MAX_TOKENS * 2
+    path_of = functools.partial(attention.attention_path, head_dim=256)
+    monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
+    bf16, long = jnp.bfloat16, attention.CUDNN_BIAS_MAX_TOKENS * 2
     assert path_of("auto", bf16, masked=True, length=2048)[0] == "cudnn"
     assert path_of("auto", bf16, masked=False, length=long)[0] == "cudnn"
     path, why = path_of("auto", bf16, masked=True, length=long)
@@ -117,11 +119,16 @@ def test_auto_picks_cudnn_on_a_gpu_unless_a_document_bias_would_be_large(monkeyp
     assert path_of("auto", jnp.float32, masked=False, length=2048)[0] == "blockwise"
     assert path_of("xla", bf16, masked=True, length=2048)[0] == "xla"
     # Without cuDNN: dense below BLOCKWISE_MIN_TOKENS, blockwise from it; by name, as asked.
-    monkeypatch.setattr(layers.jax, "default_backend", lambda: "cpu")
-    short = layers.BLOCKWISE_MIN_TOKENS
+    monkeypatch.setattr(attention.jax, "default_backend", lambda: "cpu")
+    short = attention.BLOCKWISE_MIN_TOKENS
     assert path_of("auto", bf16, masked=True, length=short)[0] == "blockwise"
     assert path_of("auto", bf16, masked=True, length=short - 1)[0] == "xla"
     assert path_of("blockwise", bf16, masked=False, length=32)[0] == "blockwise"
+    # Small heads gain sooner (bench/attention.py --head-dim 64).
+    small = attention.SMALL_HEAD_MIN_TOKENS
+    for head_dim, length, path in ((64, small, "blockwise"), (64, small - 1, "xla"),
+                                   (128, small, "xla"), (32, small, "blockwise")):
+        assert attention.attention_path("auto", bf16, True, length, head_dim)[0] == path
 
 
 @pytest.mark.parametrize("length,block", [(32, 64), (256, 64), (1024, 256), (2048, 512),

@@ -13,7 +13,7 @@ from helpers import REPO, TINY, compose_config, mesh_arg, run_cli
 from tunix_train import config as config_lib
 from tunix_train.config import ConfigError
 from tunix_train.data import demo
-from tunix_train.models.gemma3 import Gemma3
+from tunix_train.models import families
 from tunix_train.training.setup import Setup
 from tunix_train.training.train_step import jit_eval_step
 
@@ -102,7 +102,7 @@ def _row_of_documents(texts, seq_len=64):
 
 def test_packed_documents_do_not_attend_to_each_other():
     cfg = compose_config(*TINY, "model.num_layers=2", "model.global_every=2").model
-    graphdef, params = nnx.split(Gemma3(cfg, rngs=nnx.Rngs(0)))  # one local, one global layer
+    graphdef, params = nnx.split(families.build(cfg, nnx.Rngs(0)))  # one local, one global layer
     forward = jax.jit(lambda p, *args: nnx.merge(graphdef, p)(*args))
     second = "print('second document')"
     row = _row_of_documents(["x = 1 + 2", second])

@@ -38,7 +38,7 @@ def test_readme_shows_the_commands_run_here():
     assert README[4].startswith("python -m tunix_train.plan model=gemma3_4b")
 
 
-@pytest.mark.parametrize("index", range(5), ids=["fsdp4", "jsonl_spm", "fsdp2_tp2_accum",
+@pytest.mark.parametrize("index", range(5), ids=["fsdp4", "jsonl_spm", "llama_fsdp2_tp2_accum",
                                                  "pp2_fsdp8", "plan_4b"])
 def test_readme_more_than_the_default_as_typed(typed, index):
     command, count = README[index], README_DEVICES[index]
@@ -54,6 +54,8 @@ def test_readme_more_than_the_default_as_typed(typed, index):
         assert "fsdp=8 × tp=2" in output and "verdict: fits" in output
     else:
         assert "finished step 2 of 2" in output
+    if "llama3" in command:
+        assert "(Llama 3: 7 layers" in output
 
 
 # ------------------------------------------- docs/checkpointing.md, then docs/models.md on its run
@@ -106,17 +108,23 @@ def test_models_page_export_and_generate_from_the_run_as_typed(trained):
 
 
 def test_models_page_hugging_face_commands_as_typed(trained):
-    """A Hugging Face folder where the page puts one (a tiny random Gemma 3 with the demo's BPE
-    tokenizer, its vocabulary large enough for the page's token ids)."""
+    """Hugging Face folders where the page puts them (a tiny random Gemma 3 and Llama 3 with
+    the demo's BPE tokenizer, their vocabulary large enough for the page's token ids), and the
+    user's corpus the Llama command names."""
     hf_reference = pytest.importorskip("hf_reference")  # needs the test extra's torch
 
-    folder = trained.root / "checkpoints" / "gemma-3-1b-pt"
-    hf_reference.build(folder, vocab_size=8192)
-    shutil.copy(trained.root / "demo_data" / "bpe" / "tokenizer.json", folder)
-    train, *generates = [c for c in page_commands("docs/models.md", "hf:checkpoints/")]
-    output = ok(trained.run(train, "training.steps=2", "data.seq_len=32", *SMALL_BATCH,
-                            "hydra.run.dir=outputs/imported", env=devices(4)))
-    assert "finished step 2 of 2" in output and "fsdp=4 × tp=1" in output
+    for name, family in (("gemma-3-1b-pt", "gemma3"), ("Llama-3.2-1B", "llama3")):
+        folder = trained.root / "checkpoints" / name
+        hf_reference.build(folder, family=family, vocab_size=8192)
+        shutil.copy(trained.root / "demo_data" / "bpe" / "tokenizer.json", folder)
+    shutil.copy(trained.root / "demo_data" / "docs.jsonl", trained.root / "corpus.jsonl")
+    gemma, llama, *generates = page_commands("docs/models.md", "hf:checkpoints/")
+    for index, (command, model, mesh) in enumerate((
+            (gemma, "gemma-3-1b-pt (Gemma 3: 7 layers", "fsdp=4 × tp=1"),
+            (llama, "Llama-3.2-1B (Llama 3: 3 layers", "fsdp=2 × tp=2"))):
+        output = ok(trained.run(command, "training.steps=2", "data.seq_len=32", *SMALL_BATCH,
+                                f"hydra.run.dir=outputs/imported{index}", env=devices(4)))
+        assert "finished step 2 of 2" in output and model in output and mesh in output
     for command in generates:
         result = json.loads(last_printed(trained.run(command, "generate.max_new_tokens=4")))
         assert len(result["ids"]) == 4

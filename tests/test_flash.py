@@ -12,11 +12,12 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType
 
-from helpers import TINY, compose_config, mesh_arg
+from helpers import TINY, compose_config, family_tiny, mesh_arg
 from test_blockwise import (assert_bf16_as_close_as_dense, assert_equals_dense,
                             assert_train_step_equals_dense)
 from tunix_train.config import ConfigError, ModelConfig, validate
-from tunix_train.models import flash, layers
+from tunix_train.models import attention as attention_lib
+from tunix_train.models import flash, gemma3
 from tunix_train.parallel import sharding
 
 
@@ -92,11 +93,12 @@ def test_on_a_mesh_each_device_runs_the_kernels_on_its_own_rows_and_heads(monkey
     """fsdp 2 × tp 4 outside the train step's shard_map (the evaluation step's case): each
     kernel gets a quarter of the 8 query heads and half the rows. KV heads split with them
     where tp divides them (4), else each device gets copies of its own heads' (2)."""
-    monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(attention_lib.jax, "default_backend", lambda: "gpu")
     mesh = jax.make_mesh((2, 4), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2,
                          devices=jax.devices()[:8])
-    attention = layers.Attention(ModelConfig(embed_dim=32, num_heads=8, num_kv_heads=kv_heads,
-                                             head_dim=64), nnx.Rngs(0))
+    attention = attention_lib.Attention(ModelConfig(embed_dim=32, num_heads=8,
+                                                    num_kv_heads=kv_heads, head_dim=64),
+                                        nnx.Rngs(0), gemma3.FAMILY.architecture)
 
     def loss(q, k, v, s):
         with sharding.activate(mesh, tuple(sharding.RULES.items())):
@@ -118,14 +120,15 @@ def test_the_train_step_with_the_kernels_equals_dense_on_a_sharded_mesh():
 
 
 def test_auto_never_picks_the_kernels_and_by_name_on_cpu_says_they_are_interpreted(monkeypatch):
-    monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(attention_lib.jax, "default_backend", lambda: "gpu")
     for masked in (False, True):
         for length in (256, 2048, 65536):
-            assert layers.attention_path("auto", jnp.bfloat16, masked, length)[0] != "pallas"
-    assert layers.attention_path("pallas", jnp.bfloat16, True, 2048) == (
+            path, _ = attention_lib.attention_path("auto", jnp.bfloat16, masked, length, 64)
+            assert path != "pallas"
+    assert attention_lib.attention_path("pallas", jnp.bfloat16, True, 2048, 64) == (
         "pallas", "model.attention_impl=pallas")
-    monkeypatch.setattr(layers.jax, "default_backend", lambda: "cpu")
-    path, why = layers.attention_path("pallas", jnp.float32, True, 2048)
+    monkeypatch.setattr(attention_lib.jax, "default_backend", lambda: "cpu")
+    path, why = attention_lib.attention_path("pallas", jnp.float32, True, 2048, 64)
     assert path == "pallas" and "interpreter" in why
 
 
@@ -152,3 +155,26 @@ def test_the_planner_plans_the_kernels_as_the_blockwise_attention(tmp_path, capl
                                       tmp_path / impl)
     assert records["pallas"]["per_device_bytes"] == records["blockwise"]["per_device_bytes"]
     assert "model.attention_impl=pallas planned as blockwise" in caplog.text
+
+
+@pytest.mark.parametrize("family,head_dim", [("llama3", 64), ("qwen3", 128)])
+def test_each_familys_loss_and_gradients_with_the_kernels_equal_dense(family, head_dim):
+    """Llama 3 and Qwen 3 at their published head dims (64 for Llama 3.2 1B, 128 otherwise):
+    the whole model's loss and gradients through the kernels equal dense attention's."""
+    from flax import nnx
+
+    from tunix_train.models import families
+    from tunix_train.training.train_step import loss_sums
+
+    tokens = jax.random.randint(jax.random.key(0), (2, 65), 3, 500)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": jnp.ones((2, 64))}
+    results = []
+    for impl in ("xla", "pallas"):
+        cfg = compose_config(*family_tiny(family, f"model.head_dim={head_dim}",
+                                          f"model.attention_impl={impl}")).model
+        graphdef, params = nnx.split(families.build(cfg, nnx.Rngs(0)))
+        results.append(jax.value_and_grad(lambda p: loss_sums(graphdef, p, batch)[0])(params))
+    (dense_loss, dense_grads), (loss, grads) = results
+    np.testing.assert_allclose(loss, dense_loss, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(dense_grads)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(np.abs(b).max()))

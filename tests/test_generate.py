@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from helpers import TINY, compose_config, mesh_arg
-from tunix_train.models.gemma3 import Gemma3
+from tunix_train.models import families
 from tunix_train.inference.sampler import Sampler, SamplingOptions, left_pad, sample, _stop_at_eos
 from tunix_train.training.setup import Setup
 
@@ -29,7 +29,7 @@ def varied(params, seed=1):
 def model():
     cfg = compose_config(*TINY, mesh_arg(2, 4))
     setup = Setup.create(cfg)
-    params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(Gemma3(cfg.model, rngs=nnx.Rngs(0)))))()
+    params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(families.build(cfg.model, nnx.Rngs(0)))))()
     return cfg, setup, setup.params.graphdef, varied(params)
 
 
@@ -64,7 +64,7 @@ def test_greedy_on_a_pipeline_mesh_equals_full_recomputation():
                          'model.mesh_shape=[[2,2,2],["pp","fsdp","tp"]]')
     setup = Setup.create(cfg)
     params = varied(jax.jit(lambda: nnx.to_pure_dict(
-        nnx.state(Gemma3(cfg.model, rngs=nnx.Rngs(0)))))())
+        nnx.state(families.build(cfg.model, nnx.Rngs(0)))))())
     assert any(("fsdp", "pp") in s.spec for s in jax.tree.leaves(setup.params.shardings))
     sampler = Sampler(setup.params.graphdef, setup.params.shardings, SamplingOptions(8),
                       jnp.float32, setup.mesh, setup.params.rules.params)

@@ -14,11 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import REPO, TINY, cli_env, compose_config, run_cli, start_cli
+from helpers import REPO, TINY, cli_env, compose_config, family_tiny, run_cli, start_cli
 from tunix_train.data import demo
 from tunix_train.data import tokenizer as tokenizer_lib
 from tunix_train.grpo import objective as objective_lib
 from tunix_train.grpo.prompts import read_prompts
+from tunix_train.models import families
 from tunix_train.grpo.rewards import Rewards
 from tunix_train.grpo.rollouts import RolloutMaker, on_devices, reference_scorer
 from tunix_train.parallel import fsdp
@@ -115,6 +116,8 @@ def test_per_token_loss_kl_and_aggregation_equal_numpy(estimator, aggregation):
 # ---------------------------------------------------------------------------------------------
 # Rollouts and the sharded update, on a tiny model.
 
+GEMMA_TURN = families.FAMILIES["gemma3"].chat_turn
+
 @pytest.fixture(scope="module")
 def sums(tmp_path_factory) -> Path:
     """docs/grpo.md's demo_data/grpo/ folder."""
@@ -133,7 +136,7 @@ def rollouts_on(sums: Path, mesh: str, devices: int, *extra: str):
     cfg = grpo_config(sums, mesh, *extra)
     setup = Setup.create(cfg, jax.devices()[:devices])
     tokenizer = tokenizer_lib.open_tokenizer("byte")
-    prompts = read_prompts(cfg.data, tokenizer, 12)
+    prompts = read_prompts(cfg.data, tokenizer, 12, GEMMA_TURN)
     maker = RolloutMaker(setup, cfg.grpo, tokenizer, Rewards.create(cfg.grpo, prompts[0].fields))
     policy = setup.params.initial_params(0)
     return setup, maker, maker.make(policy, prompts[:4], jax.random.key(1)), policy
@@ -196,18 +199,24 @@ def test_given_the_same_rollouts_loss_and_gradients_agree_on_1x1_and_2x2(sums):
 def test_parquet_prompts_equal_json_lines_and_the_chat_template_wraps_them(sums):
     tokenizer = tokenizer_lib.open_tokenizer("byte")
     cfg = grpo_config(sums, "[[1,1],[fsdp,tp]]")
-    jsonl = read_prompts(cfg.data, tokenizer, 12)
+    jsonl = read_prompts(cfg.data, tokenizer, 12, GEMMA_TURN)
     cfg.data.path = str(sums / "sums.parquet")
-    parquet = read_prompts(cfg.data, tokenizer, 12)
+    parquet = read_prompts(cfg.data, tokenizer, 12, GEMMA_TURN)
     assert len(jsonl) == 100 and jsonl[7].fields == {"answer": str(int(jsonl[7].text[0]) +
                                                                   int(jsonl[7].text[2]))}
     assert [(p.text, p.ids, p.fields) for p in parquet] == [(p.text, p.ids, p.fields)
                                                             for p in jsonl]
     cfg.data.chat_template = True
-    wrapped = read_prompts(cfg.data, tokenizer, 64)
+    wrapped = read_prompts(cfg.data, tokenizer, 64, GEMMA_TURN)
     assert wrapped[0].ids[0] == tokenizer.bos_id and wrapped[0].text == jsonl[0].text
     assert tokenizer.decode(wrapped[0].ids[1:]) == (
         f"<start_of_turn>user\n{jsonl[0].text}<end_of_turn>\n<start_of_turn>model\n")
+    # Each family's own: Llama 3's header tokens, Qwen 3's ChatML.
+    assert families.FAMILIES["llama3"].chat_turn.format(prompt="1+2=") == (
+        "<|start_header_id|>user<|end_header_id|>\n\n1+2=<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert families.FAMILIES["qwen3"].chat_turn.format(prompt="1+2=") == (
+        "<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_reward_functions_by_name_weights_and_import_path(sums):
@@ -353,3 +362,27 @@ def test_two_processes_through_the_launcher(laptop):
     rewards = metrics(run_dir, "reward_mean")
     assert sorted(rewards) == [1, 2] and all(np.isfinite(list(metrics(run_dir, "loss").values())))
     assert (run_dir / "checkpoints" / "2").is_dir()
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])  # Gemma 3: the laptop example above
+def test_sft_then_grpo_learn_the_sums_on_each_familys_tiny_model(family, sums, tmp_path):
+    """docs/grpo.md's laptop recipe on another family: SFT's held-out loss falls far below the
+    untrained model's, then GRPO's mean reward rises from its first dozen steps to its last."""
+    from tunix_train.grpo import trainer as grpo_trainer
+    from tunix_train.training import run as run_lib
+
+    every = [*family_tiny(family), "model.mesh_shape=[[8,1],[fsdp,tp]]", "logging.every_steps=1"]
+    run_lib.run(compose_config(*every, "data=sft", f"data.path={sums / 'sums_sft.jsonl'}",
+                               "data.seq_len=32", "training.steps=30",
+                               "training.global_batch_size=8"), tmp_path / "sft")
+    held_out = list(metrics(tmp_path / "sft", "eval_loss").values())
+    assert held_out[-1] < 0.3 * held_out[0], held_out
+    grpo_trainer.run(compose_config(
+        *every, "trainer=grpo", "data=prompts", f"data.path={sums / 'sums.jsonl'}",
+        "data.seq_len=16", "grpo.max_new_tokens=4", "grpo.rewards=[answer]",
+        "grpo.answer_pattern='^(\\d+)'", "training.global_batch_size=64",
+        "grpo.num_generations=8", "training.steps=48",
+        f"checkpoint.init_params_from={tmp_path / 'sft'}"), tmp_path / "grpo")
+    rewards = np.array(list(metrics(tmp_path / "grpo", "reward_mean").values()))
+    assert len(rewards) == 48
+    assert rewards[-12:].mean() > rewards[:12].mean() + 0.08, rewards

@@ -82,23 +82,24 @@ def test_chunking_saves_at_least_the_fp32_logits_in_compiled_temporaries():
 
 
 def test_the_attention_path_is_logged_once_and_a_refusal_is_a_warning(caplog, monkeypatch):
-    from tunix_train.models import layers
+    from tunix_train.models import attention as attention_lib
+    from tunix_train.models import gemma3
 
     cfg = compose_config(*TINY)
     setup = Setup.create(cfg, jax.devices()[:1])
     batch = setup.random_batch()
-    monkeypatch.setattr(layers, "_REPORTED", set())
+    monkeypatch.setattr(attention_lib, "_REPORTED", set())
     with caplog.at_level("INFO", logger="tunix_train"):
         for _ in range(2):  # two traces, one line
             jax.jit(setup.train_step()).lower(setup.fresh_state(), batch)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention:")]
     assert lines == ["attention: XLA, [B, N, L, L] scores (model.attention_impl=auto on cpu: "
-                     "cuDNN needs a GPU; 32 tokens < 512)"]
+                     "cuDNN needs a GPU; 32 tokens < 256 at head dim 16)"]
 
     # What a GPU whose cuDNN refuses the call sees: here cuDNN refuses on the CPU itself.
     caplog.clear()
-    monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
-    attention = layers.Attention(cfg.model, nnx.Rngs(0))  # implementation "auto"
+    monkeypatch.setattr(attention_lib.jax, "default_backend", lambda: "gpu")
+    attention = attention_lib.Attention(cfg.model, nnx.Rngs(0), gemma3.FAMILY.architecture)
     q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
     with caplog.at_level("INFO", logger="tunix_train"):
         out = attention._attention(q, q, q, None, None)

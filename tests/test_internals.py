@@ -52,9 +52,9 @@ def test_logical_rules_in_effect_are_readable_while_tracing():
 
 def test_parameters_keep_their_logical_axes_as_nnx_metadata():
     """layers.logical_axes reads the NNX metadata key that holds a parameter's axis names."""
-    param = layers._param(jnp.zeros((2, 3)), "embed", "mlp")
+    param = layers.param(jnp.zeros((2, 3)), "embed", "mlp")
     assert layers.logical_axes(param) == ("embed", "mlp")
-    abstract = nnx.eval_shape(lambda: layers._param(jnp.zeros(2), "embed"))
+    abstract = nnx.eval_shape(lambda: layers.param(jnp.zeros(2), "embed"))
     assert layers.logical_axes(abstract) == ("embed",)
 
 

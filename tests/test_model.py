@@ -9,14 +9,15 @@ from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
 from helpers import TINY, compose_config, mesh_arg, train_losses
-from tunix_train.models.gemma3 import REMAT_POLICIES, Gemma3, LayerLayout, count_params
-from tunix_train.models.layers import geglu, project, rms_norm
+from tunix_train.models import families
+from tunix_train.models.decoder import REMAT_POLICIES
+from tunix_train.models.layers import geglu, project, rms_norm, swiglu
 from tunix_train.training.train_step import loss_sums
 
 
 def _model(*overrides, remat="none"):
     cfg = compose_config(*TINY, *overrides).model
-    return cfg, Gemma3(cfg, rngs=nnx.Rngs(0), remat=remat)
+    return cfg, families.build(cfg, nnx.Rngs(0), remat)
 
 
 def _tokens(length=48, seed=0):
@@ -25,20 +26,24 @@ def _tokens(length=48, seed=0):
 
 def test_five_local_then_one_global_like_gemma3():
     cfg = compose_config("model=gemma3_1b").model
-    placement = LayerLayout.of(cfg).placement()
-    kinds = [kind for kind, _ in placement]
-    assert len(kinds) == 26
-    assert [i for i, k in enumerate(kinds) if k == "global"] == [5, 11, 17, 23]
+    placement = families.layout(cfg).placement()
+    stacks = [stack for stack, _ in placement]
+    assert len(stacks) == 26
+    assert [i for i, k in enumerate(stacks) if k == "global_layers"] == [5, 11, 17, 23]
     # Each stack is indexed in layer order; the two locals after the last block have their own.
-    assert [i for k, i in placement if k == "local"] == list(range(20))
-    assert placement[24:] == [("trailing", 0), ("trailing", 1)]
+    assert [i for k, i in placement if k == "local_layers"] == list(range(20))
+    assert placement[24:] == [("trailing_layers", 0), ("trailing_layers", 1)]
 
 
-@pytest.mark.parametrize("name,expected", [("gemma3_270m", 268e6), ("gemma3_1b", 1.0e9),
-                                           ("gemma3_4b", 3.88e9)])
+@pytest.mark.parametrize("name,expected", [
+    ("gemma3_270m", 268e6), ("gemma3_1b", 1.0e9), ("gemma3_4b", 3.88e9), ("gemma3_12b", 11.77e9),
+    ("gemma3_27b", 27.01e9), ("llama3_2_1b", 1.24e9), ("llama3_2_3b", 3.21e9),
+    ("llama3_1_8b", 8.03e9), ("qwen3_0_6b", 0.6e9), ("qwen3_1_7b", 1.7e9), ("qwen3_4b", 4.0e9),
+    ("qwen3_8b", 8.2e9)])
 def test_published_sizes_have_their_parameter_counts(name, expected):
-    # Text decoder only, embeddings included (4B's published 4.3B includes the vision tower).
-    count = count_params(compose_config(f"model={name}").model)
+    # Text decoder only, embeddings included (Gemma's published 4.3B, 12.2B and 27.4B include
+    # a 0.42B vision tower); an untied output head counted as well (Llama 3.1 8B, Qwen 3 8B).
+    count = families.count_params(compose_config(f"model={name}").model)
     assert abs(count - expected) / expected < 0.03
 
 
@@ -64,8 +69,9 @@ def test_local_layers_see_only_their_window_global_layers_see_everything():
 
 def test_trailing_local_layers_run_after_the_blocks():
     cfg, model = _model("model.num_layers=8")
-    layout = LayerLayout.of(cfg)
-    assert (layout.num_blocks, layout.trailing_locals, layout.num_local) == (1, 2, 7)
+    layout = families.layout(cfg)
+    assert (layout.num_blocks, layout.trailing_layers) == (1, 2)
+    assert layout.count("local_layers") + layout.count("trailing_layers") == 7
     assert model(_tokens()).shape == (2, 48, cfg.vocab_size)
 
 
@@ -117,7 +123,7 @@ def test_unroll_layers_decides_whether_the_forward_pass_loops(unroll):
                         f"model.unroll_layers={unroll}")
     graphdef, state = nnx.split(model)
     text = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)).lower(state, _tokens()).as_text()
-    # One loop is always there: the one that builds both kinds' RoPE tables (Gemma3.rope).
+    # One loop is always there: the one that builds both kinds' RoPE tables (models/rope.py).
     loops = text.count("stablehlo.while")
     assert loops == 1 if unroll else loops > 1
 
@@ -166,20 +172,21 @@ def test_project_keeps_cpu_from_transposing_the_wide_gradient():
     assert not has_wide_transpose(project)
 
 
-def _plain_rms_norm(x, scale, eps):
+def _plain_rms_norm(x, scale, eps, offset):
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
+    return (y * (offset + scale.astype(jnp.float32))).astype(x.dtype)
 
 
 @pytest.mark.parametrize("ours,plain,shapes", [
     (geglu, lambda g, u: jax.nn.gelu(g, approximate=True) * u, [(2, 6, 16), (2, 6, 16)]),
-    (rms_norm, _plain_rms_norm, [(2, 6, 16), (16,), ()]),
-], ids=["geglu", "rms_norm"])
+    (swiglu, lambda g, u: jax.nn.silu(g) * u, [(2, 6, 16), (2, 6, 16)]),
+    (rms_norm, _plain_rms_norm, [(2, 6, 16), (16,), (), ()]),
+], ids=["geglu", "swiglu", "rms_norm"])
 def test_elementwise_gradients_equal_autodiff_and_keep_only_inputs(ours, plain, shapes):
     keys = jax.random.split(jax.random.key(1), len(shapes) + 1)
     inputs = [jax.random.normal(k, s) * 3 for k, s in zip(keys, shapes)]
-    inputs[2:] = [jnp.float32(1e-6)] * len(inputs[2:])  # rms_norm's eps
+    inputs[2:] = [jnp.float32(1e-6), jnp.float32(1.0)][:len(inputs[2:])]  # eps, offset
     d_out = jax.random.normal(keys[-1], (2, 6, 16))
     for a, b in zip(jax.vjp(ours, *inputs)[1](d_out), jax.vjp(plain, *inputs)[1](d_out)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

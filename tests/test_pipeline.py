@@ -10,7 +10,7 @@ from helpers import (PP_MESHES, TINY, assert_restores_onto, compiled_run, compos
                      mesh_arg, mesh_of, train_losses)
 from tunix_train import config as config_lib
 from tunix_train.config import ConfigError
-from tunix_train.models.gemma3 import LayerLayout
+from tunix_train.models import families
 from tunix_train.parallel import stages
 from tunix_train.training.setup import Setup
 
@@ -52,7 +52,7 @@ def test_zero_1_and_spaced_out_reductions_match_the_run_without_pp(precision, rt
 
 def test_each_stage_holds_its_own_blocks_only(runs):
     setup, _, _, state = runs["2x2x2"]
-    blocks = LayerLayout.of(setup.cfg.model).num_blocks
+    blocks = families.layout(setup.cfg.model).num_blocks
     for stack in ("local_layers", "global_layers"):
         for leaf in jax.tree.leaves(state["params"][stack]):
             assert leaf.sharding.spec[0] == "pp"
