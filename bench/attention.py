@@ -28,7 +28,7 @@ import numpy as np
 
 from timing import timed
 from tunix_train.models import blockwise, flash
-from tunix_train.models.layers import _mask_as_bias
+from tunix_train.models.attention import _mask_as_bias
 
 HEADS, KV_HEADS, WINDOW, TOKENS = 4, 1, 512, 8192
 

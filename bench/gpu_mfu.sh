@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# MFU on the local GPU(s): gemma3_270m and gemma3_1b, sequences of 2048 tokens, bf16 compute;
+# MFU on the local GPU(s): gemma3_270m, gemma3_1b, llama3_2_1b and qwen3_1_7b, sequences of 2048
+# tokens, bf16 compute;
 # then gemma3_1b at 8,192 and 32,768 tokens (MFU and peak memory), and the attention paths.
 #   bash bench/gpu_mfu.sh                   # from anywhere; dependencies must be importable
 #   MICRO_270M=8 MICRO_1B=16 REMAT_1B=full bash bench/gpu_mfu.sh      # the defaults
@@ -34,6 +35,11 @@ status=0
 run gemma3_270m "${MICRO_270M:-8}" "${REMAT_270M:-none}" || status=1
 # Full recomputation buys the micro-batch of 16 that keeps the H100 busiest (measured 2026-11-22).
 run gemma3_1b "${MICRO_1B:-16}" "${REMAT_1B:-full}" || status=1
+# The other families at the same length, not yet measured on a GPU: micro-batch 16 with full
+# recomputation, which the planner puts at 40.5 GB (llama3_2_1b) and 50.2 GB (qwen3_1_7b) on
+# one device (2026-11-25).
+run llama3_2_1b "${MICRO_LLAMA:-16}" "${REMAT_LLAMA:-full}" || status=1
+run qwen3_1_7b "${MICRO_QWEN:-16}" "${REMAT_QWEN:-full}" || status=1
 for model in "gemma3_270m ${MICRO_270M:-8} ${REMAT_270M:-none}" \
              "gemma3_1b ${MICRO_1B:-16} ${REMAT_1B:-full}"; do
   set -- $model

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tunix_train import cli  # noqa: E402
 from tunix_train.analysis import flops  # noqa: E402
-from tunix_train.models import layers  # noqa: E402
+from tunix_train.models import attention  # noqa: E402
 from tunix_train.training.setup import Setup  # noqa: E402
 
 WARMUP, ROUNDS, STEPS_PER_ROUND = 3, 5, 5
@@ -57,13 +57,15 @@ def main(overrides: list[str]) -> dict:
 
 
 def _attention(cfg, setup, batch, compiled) -> str:
-    """The attention path the step took: the model's rule (models/layers.py), except that a
+    """The attention path the step took: the model's rule (models/attention.py), except that a
     cuDNN call it refused falls back; cuDNN's fused attention shows up as __cudnn$fmha calls."""
     if "__cudnn$fmha" in compiled.as_text():
         return "cudnn"
-    path, _ = layers.attention_path(cfg.model.attention_impl, setup.options.compute_dtype,
-                                    "segment_ids" in batch, cfg.data.seq_len)
-    return layers.without_cudnn(cfg.data.seq_len, "")[0] if path == "cudnn" else path
+    path, _ = attention.attention_path(cfg.model.attention_impl, setup.options.compute_dtype,
+                                       "segment_ids" in batch, cfg.data.seq_len,
+                                       cfg.model.head_dim)
+    return attention.without_cudnn(cfg.data.seq_len, cfg.model.head_dim, "")[0] \
+        if path == "cudnn" else path
 
 
 def _batch(setup: Setup):

@@ -1,17 +1,20 @@
-"""Our train step against two references on one Gemma 3 shape, in one process, one run:
+"""Our train step against two references on one Gemma 3 or Llama 3 shape, in one process, one
+run:
 
 - a plain-JAX floor: the same architecture written directly in `jax.numpy` + optax (no
   tunix_train model code), whole fp32 logits, AdamW;
-- Tunix's `PeftTrainer` on its own Gemma 3 (`pip install google-tunix`; optional: skipped with a
-  line saying so when it is not installed).
+- Tunix's `PeftTrainer` on its own Gemma 3 or Llama 3 (`pip install google-tunix`; optional:
+  skipped with a line saying so when it is not installed).
 
     python bench/peer_step.py                         # 1 device
     python bench/peer_step.py --mesh 4 2              # fsdp 4 x tp 2 on 8 virtual CPU devices
     python bench/peer_step.py --seq 2048              # long rows: blockwise attention
+    python bench/peer_step.py --family llama3         # the Llama 3 shape (also with --mesh)
 
-Shape (the issue's): 4 layers, d 256, MLP 1,024, 4 heads / 1 KV head, head dim 64, vocab 4,096,
-8 x 256 tokens, fp32. Ours trains on the bundled corpus with document masks; the floor and
-Tunix on random tokens. Steps are timed in alternating rounds (machine noise hits all alike);
+Shape: 4 layers, d 256, MLP 1,024, head dim 64, vocab 4,096, 8 x 256 tokens, fp32; Gemma 3 with
+4 heads / 1 KV head, Llama 3 with 4 heads / 2 KV heads (Tunix shards KV heads over tp), an
+output head of its own and RoPE base 500,000 unscaled (Tunix's Llama has no llama3 scaling).
+Ours trains on the bundled corpus with document masks; the floor and Tunix on random tokens. Steps are timed in alternating rounds (machine noise hits all alike);
 the last line is JSON with `ours_over_floor` and `ours_over_tunix` (median step times), and
 the same for ours with `model.unroll_layers=true`, and ours with the blockwise attention against
 ours with XLA's dense one (`model.attention_impl=blockwise` / `xla`; `auto` picks dense below
@@ -31,6 +34,7 @@ import sys
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mesh", nargs=2, type=int, default=[1, 1], metavar=("FSDP", "TP"))
+    parser.add_argument("--family", choices=["gemma3", "llama3"], default="gemma3")
     parser.add_argument("--seq", type=int, default=256,
                         help="tokens per sequence; 2,048 tokens per step (rows >= fsdp)")
     parser.add_argument("--rounds", type=int, default=5)
@@ -51,14 +55,19 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from timing import timed  # noqa: E402
 
-LAYERS, D, F, N, K, H, V = 4, 256, 1024, 4, 1, 64, 4096
+LLAMA = ARGS.family == "llama3"
+LAYERS, D, F, N, K, H, V = 4, 256, 1024, 4, 2 if LLAMA else 1, 64, 4096
 # 257 tokens in, 256 predicted: Tunix's loss drops the last position, ours and the floor shift.
-SEQ, WINDOW = ARGS.seq, 128
+SEQ, WINDOW = ARGS.seq, None if LLAMA else 128  # Gemma: 3 local layers, then a global one
+ROPE_BASE = 500_000.0 if LLAMA else 10_000.0
 BATCH = max(2048 // SEQ, ARGS.mesh[0])
-SHAPE = [f"model.num_layers={LAYERS}", f"model.embed_dim={D}", f"model.hidden_dim={F}",
+FAMILY = (["model=llama3_tiny", "model.tie_embeddings=false", "model.global_rope_scale=1.0",
+           "model.rms_norm_eps=1e-6"] if LLAMA else
+          [f"model.sliding_window={WINDOW}", "model.global_every=6"])
+SHAPE = [*FAMILY, f"model.num_layers={LAYERS}", f"model.embed_dim={D}", f"model.hidden_dim={F}",
          f"model.num_heads={N}", f"model.num_kv_heads={K}", f"model.head_dim={H}",
-         f"model.vocab_size={V}", f"model.sliding_window={WINDOW}", "model.global_every=6",
-         f"data.seq_len={SEQ}", "training.mixed_precision=fp32", "optimizer.weight_decay=0.1"]
+         f"model.vocab_size={V}", f"data.seq_len={SEQ}", "training.mixed_precision=fp32",
+         "optimizer.weight_decay=0.1"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -82,15 +91,20 @@ def ours(*overrides: str):
 
 
 # ------------------------------------------------------------------------------------------
-# The floor: Gemma 3 in jax.numpy, nothing of ours.
+# The floor: Gemma 3 or Llama 3 in jax.numpy, nothing of ours.
 
 def _rms(x, scale):
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
-    return (normed * (1 + scale)).astype(x.dtype)
+    return (normed * (scale if LLAMA else 1 + scale)).astype(x.dtype)
 
 
-def _rope(x, positions, base=10_000.0):
+def _post(x, scale):
+    """Gemma's norms after attention and MLP; Llama has none."""
+    return x if LLAMA else _rms(x, scale)
+
+
+def _rope(x, positions, base=ROPE_BASE):
     half = x.shape[-1] // 2
     freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angle = positions[..., None, None] * freq
@@ -101,34 +115,36 @@ def _rope(x, positions, base=10_000.0):
 
 def floor_loss(params, tokens, targets):
     positions = jnp.broadcast_to(jnp.arange(SEQ), tokens.shape)
-    x = params["embed"][tokens] * jnp.sqrt(float(D))
+    x = params["embed"][tokens] * (1.0 if LLAMA else jnp.sqrt(float(D)))
     i, j = jnp.arange(SEQ)[:, None], jnp.arange(SEQ)[None, :]
-    mask = (j <= i) & (i - j < WINDOW)
+    mask = (j <= i) & (True if WINDOW is None else i - j < WINDOW)
+    qk_norm = (lambda x, scale: x) if LLAMA else _rms  # noqa: E731
 
     def layer(x, p):
         h = _rms(x, p["pre_attn"])
-        q = _rope(_rms(jnp.einsum("bld,dnh->blnh", h, p["q"]), p["q_norm"]), positions)
-        k = _rope(_rms(jnp.einsum("bld,dkh->blkh", h, p["k"]), p["k_norm"]), positions)
+        q = _rope(qk_norm(jnp.einsum("bld,dnh->blnh", h, p["q"]), p["q_norm"]), positions)
+        k = _rope(qk_norm(jnp.einsum("bld,dkh->blkh", h, p["k"]), p["k_norm"]), positions)
         v = jnp.einsum("bld,dkh->blkh", h, p["v"])
         q = q.reshape(*q.shape[:2], K, N // K, H)
         scores = jnp.einsum("blkgh,bskh->bkgls", q, k) * H ** -0.5
         scores = jnp.where(mask, scores, -1e30)
         out = jnp.einsum("bkgls,bskh->blkgh", jax.nn.softmax(scores, axis=-1), v)
         attn = jnp.einsum("blnh,nhd->bld", out.reshape(*out.shape[:2], N, H), p["o"])
-        x = x + _rms(attn, p["post_attn"])
+        x = x + _post(attn, p["post_attn"])
         h = _rms(x, p["pre_mlp"])
-        mlp = jax.nn.gelu(h @ p["gate"], approximate=True) * (h @ p["up"])
-        return x + _rms(mlp @ p["down"], p["post_mlp"]), None
+        act = jax.nn.silu if LLAMA else lambda g: jax.nn.gelu(g, approximate=True)
+        mlp = act(h @ p["gate"]) * (h @ p["up"])
+        return x + _post(mlp @ p["down"], p["post_mlp"]), None
 
     x, _ = jax.lax.scan(layer, x, params["layers"])
-    logits = _rms(x, params["final_norm"]) @ params["embed"].T
+    logits = _rms(x, params["final_norm"]) @ params["head" if LLAMA else "embed"].T
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
 def floor_params(key, mesh):
     ks = iter(jax.random.split(key, 16))
     init = lambda shape, fan_in: jax.random.normal(next(ks), shape) * fan_in ** -0.5  # noqa: E731
-    zeros = lambda *shape: jnp.zeros(shape)  # noqa: E731
+    zeros = lambda *shape: jnp.full(shape, 1.0 if LLAMA else 0.0)  # noqa: E731  norm scales
     layers = {
         "q": init((LAYERS, D, N, H), D), "k": init((LAYERS, D, K, H), D),
         "v": init((LAYERS, D, K, H), D), "o": init((LAYERS, N, H, D), N * H),
@@ -143,6 +159,8 @@ def floor_params(key, mesh):
         "o": P(None, "tp", None, "fsdp"), "gate": P(None, "fsdp", "tp"),
         "up": P(None, "fsdp", "tp"), "down": P(None, "tp", "fsdp"),
         **{n: P() for n in ("pre_attn", "post_attn", "pre_mlp", "post_mlp", "q_norm", "k_norm")}}}
+    if LLAMA:
+        params["head"], specs["head"] = init((V, D), D), P("tp", "fsdp")
     return jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
 
 
@@ -170,25 +188,39 @@ def floor():
 
 
 # ------------------------------------------------------------------------------------------
-# Tunix's PeftTrainer on its Gemma 3.
+# Tunix's PeftTrainer on its Gemma 3 or Llama 3.
+
+def tunix_model(nnx):
+    """Tunix's own model of the shape (its configs and classes, as its CLI builds them)."""
+    if LLAMA:
+        from tunix.models.llama3 import model as tunix_llama3
+
+        config = tunix_llama3.ModelConfig(
+            num_layers=LAYERS, vocab_size=V, embed_dim=D, hidden_dim=F, num_heads=N,
+            head_dim=H, num_kv_heads=K, rope_theta=int(ROPE_BASE), norm_eps=1e-6,
+            weight_tying=False)
+        return tunix_llama3.Llama3(config, rngs=nnx.Rngs(0))
+    from tunix.models.gemma3 import model as tunix_gemma3
+
+    config = tunix_gemma3.ModelConfig(
+        num_layers=LAYERS, num_embed=V, embed_dim=D, hidden_dim=F, num_heads=N, head_dim=H,
+        num_kv_heads=K, sliding_window_size=WINDOW, param_dtype=jnp.float32)
+    return tunix_gemma3.Gemma3(config, rngs=nnx.Rngs(0))
+
 
 def tunix():
     try:
         from flax import nnx
-        from tunix.models.gemma3 import model as tunix_gemma3
         from tunix.sft import peft_trainer
         from tunix.sft import utils as tunix_utils
     except ImportError as e:
         print(f"tunix: not installed ({e}); `pip install google-tunix` to compare")
         return None
     # As Tunix's own CLI (tunix/cli/peft_main.py) sets it up, on a model built from a config.
-    config = tunix_gemma3.ModelConfig(
-        num_layers=LAYERS, num_embed=V, embed_dim=D, hidden_dim=F, num_heads=N, head_dim=H,
-        num_kv_heads=K, sliding_window_size=WINDOW, param_dtype=jnp.float32)
     mesh = jax.make_mesh(tuple(ARGS.mesh), ("fsdp", "tp"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
     with jax.set_mesh(mesh):
-        model = tunix_gemma3.Gemma3(config, rngs=nnx.Rngs(0))
+        model = tunix_model(nnx)
         state = nnx.state(model)
         specs = nnx.get_partition_spec(state)
         nnx.update(model, jax.device_put(state, jax.tree.map(
@@ -237,7 +269,7 @@ def main() -> None:
     median = {name: statistics.median(t) for name, t in times.items()}
     for name, t in median.items():
         print(f"{name:18s} {t * 1e3:8.1f} ms/step")
-    result = {"mesh": ARGS.mesh, "devices": jax.device_count(),
+    result = {"family": ARGS.family, "mesh": ARGS.mesh, "devices": jax.device_count(),
               "device_kind": jax.devices()[0].device_kind,
               "step_s": {k: round(v, 5) for k, v in median.items()},
               "ours_over_floor": round(median["ours"] / median["floor"], 3),
