@@ -2,9 +2,12 @@
 
 import os
 
+from compile_flags import with_fast_compile
+
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
+with_fast_compile(os.environ)  # type: ignore[arg-type]
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session, shared with the CLI subprocesses (they inherit
 # the environment): most of them compile the same tiny programs, and compiling dominates their

@@ -12,6 +12,7 @@ import numpy as np
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from compile_flags import with_fast_compile
 from tunix_train import checkpoint
 from tunix_train import config as config_lib
 from tunix_train.checkpoint import Checkpoints
@@ -70,10 +71,11 @@ def train_losses(cfg: Config, steps: int, devices=None) -> tuple[np.ndarray, dic
 
 
 def cli_env(env_extra: dict | None = None) -> dict:
-    """The test process's environment without its 8 forced devices, plus `env_extra`."""
+    """The test process's environment without its 8 forced devices, plus `env_extra`, and
+    compile_flags.FAST_COMPILE."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(env_extra or {})
-    return env
+    return with_fast_compile(env)
 
 
 def run_cli(args: list[str], cwd: Path, env_extra: dict | None = None, timeout: int = 600,

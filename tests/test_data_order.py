@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from compile_flags import with_fast_compile
 from helpers import REPO, TINY, compose_config
 from tunix_train.data import demo
 from tunix_train.training.setup import Setup
@@ -51,6 +52,7 @@ def _two_processes(out, overrides, restore_file):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
+    with_fast_compile(env)
     worker = REPO / "tests" / "data_order_worker.py"
     procs = [subprocess.Popen([sys.executable, str(worker), str(out), str(BATCHES),
                                str(restore_file), *overrides], env={**env, "RANK": str(rank)},

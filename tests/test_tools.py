@@ -14,6 +14,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
+from compile_flags import with_fast_compile
 from helpers import REPO, TINY, compose_config, mesh_arg, run_cli
 from test_docs import DOCS, shown_commands, split_command
 from test_generate import full_recompute_greedy, varied
@@ -50,6 +51,7 @@ def save_run(run, cfg):
 def tool(name, args, cwd, check=True):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(EIGHT_DEVICES)
+    with_fast_compile(env)
     result = subprocess.run([sys.executable, "-m", f"tunix_train.{name}", *args], cwd=cwd,
                             env=env, capture_output=True, text=True, timeout=600)
     if check:

@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from compile_flags import with_fast_compile
+
 REPO = Path(__file__).resolve().parent.parent
 
 # Appended to training commands to make them CPU-sized (the command's own keys come first, so
@@ -77,7 +79,7 @@ class Typed:
         env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         env.update(extra or {})
-        return env
+        return with_fast_compile(env)  # codegen only (compile_flags.py); commands unchanged
 
     def line(self, command: str, append: list[str] | tuple = ()) -> str:
         return " ".join([command, *map(shlex.quote, append)])
