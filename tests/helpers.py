@@ -102,12 +102,12 @@ def compiled_run(cfg: Config, steps: int, devices=None):
     setup = Setup.create(cfg, devices)
     compiled = setup.compile_train_step()
     costs = setup.analyse(compiled)
-    losses, state = [], None
+    losses, state, step = [], None, setup.runnable(compiled)
     if steps:
         data = setup.open_data()
         state = setup.fresh_state()
         for _ in range(steps):
-            state, metrics = compiled(state, next(data.train))
+            state, metrics = step(state, next(data.train))
             losses.append(float(metrics["loss"]))
         data.close()
     return setup, costs, np.array(losses), state

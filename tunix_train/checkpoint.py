@@ -44,15 +44,20 @@ from tunix_train.config import CheckpointConfig, ConfigError
 log = logging.getLogger("tunix_train")
 
 ITEMS = ("state", "data", "config")
+NOT_SAVED = ("frozen",)  # train state entries that come from their source at every start (LoRA's
+# base: training/state.py)
 # Settings that decide the train state's structure or shapes, named when a checkpoint's differ.
 STRUCTURE_KEYS = (
     *(f"model.{k}" for k in ("family", "num_layers", "embed_dim", "hidden_dim", "num_heads",
                              "num_kv_heads", "head_dim", "vocab_size", "global_every",
                              "tie_embeddings")),
     "optimizer.name", "optimizer.grad_clip", "optimizer.weight_decay",
+    "lora.rank", "lora.targets",  # LoRA's adapters
 )
 # What checkpoints saved before a key existed meant by its absence.
-_BEFORE_THE_KEY = {"model.family": "gemma3", "model.tie_embeddings": True}
+_BEFORE_THE_KEY = {"model.family": "gemma3", "model.tie_embeddings": True, "lora.rank": 0,
+                   "lora.targets": ["all"]}
+LORA_BASE = "lora_base"  # the saved config's record of LoRA's frozen base (training/setup.py)
 # Tensorstore's status codes for data that is not there or not whole: proof of damage.
 DAMAGE_CODES = ("NOT_FOUND", "OUT_OF_RANGE", "DATA_LOSS", "FAILED_PRECONDITION")
 # ... and for storage that may answer if asked again (absl status codes, as tensorstore spells them).
@@ -91,7 +96,7 @@ class Checkpoints:
         """Starts saving `step` (in the background when async); False if it is already saved."""
         if self.manager.latest_step() == step:
             return False
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+        args = ocp.args.Composite(state=ocp.args.StandardSave(saved_part(state)),
                                   data=ocp.args.JsonSave(data_state),
                                   config=ocp.args.JsonSave(config))
         # Returns once the arrays are copied off the devices: the next step may donate them.
@@ -116,6 +121,11 @@ def with_shardings(abstract: Any, shardings: Any) -> Any:
                         abstract, shardings)
 
 
+def saved_part(state: dict) -> dict:
+    """What of a train state (or of its layout) a checkpoint holds."""
+    return {k: v for k, v in state.items() if k not in NOT_SAVED}
+
+
 def own_checkpoints(run_dir: Path) -> Path | None:
     """The run's own checkpoint directory if it holds a committed step (a restarted run)."""
     directory = run_dir / "checkpoints"
@@ -135,6 +145,7 @@ def restore(path: str | Path, abstract_state: Any, config: dict,
 
     def read(step: int) -> Restored:
         _check_structure(manager, directory, step, abstract_state, config)
+        _check_lora_base(manager, directory, step, config)
         items = manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
         return Restored(step, items.state, dict(items.data), directory / str(step))
@@ -295,6 +306,24 @@ def _check_structure(manager: _Manager, directory: Path, step: int, target: Any,
         f"another hydra.run.dir{keep_params}.")
 
 
+def _check_lora_base(manager: _Manager, directory: Path, step: int, config: dict | None) -> None:
+    """LoRA adapters are only meaningful on the base they were trained on: a checkpoint whose
+    recorded base (source and fingerprint) is not this run's is refused by name."""
+    now = (config or {}).get(LORA_BASE)
+    if now is None:
+        return
+    saved = dict(manager.restore(step, args=ocp.args.Composite(
+        config=ocp.args.JsonRestore())).config).get(LORA_BASE)
+    if saved != now:
+        there = "none (not a LoRA run)" if saved is None else \
+            f"{saved['source']} (fingerprint {saved['fingerprint']})"
+        raise ConfigError(
+            f"checkpoint {directory / str(step)} holds LoRA adapters of another base: {there} "
+            f"there, {now['source']} (fingerprint {now['fingerprint']}) here; nothing was "
+            f"moved: give the same base (model.init_from or checkpoint.init_params_from), or "
+            f"start afresh in another hydra.run.dir.")
+
+
 def _only(shapes: dict[str, tuple], part: str) -> dict[str, tuple]:
     return {k: v for k, v in shapes.items() if k.startswith(part + "/")}
 
@@ -320,7 +349,7 @@ def _changed_settings(manager: _Manager, step: int, config: dict | None) -> list
     for dotted in STRUCTURE_KEYS:
         section, key = dotted.split(".")
         before = saved.get(section, {}).get(key, _BEFORE_THE_KEY.get(dotted))
-        now = config[section][key]
+        now = config.get(section, {}).get(key, _BEFORE_THE_KEY.get(dotted))
         if before != now:
             changed.append((dotted, before, now))
     return changed

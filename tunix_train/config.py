@@ -55,6 +55,27 @@ class ModelConfig:
     # logical → mesh axis table (tunix_train/parallel/sharding.py), e.g. {"embed": None}
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # projections by logical name
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (LoRA, Hu et al. 2021; QLoRA, Dettmers et al. 2023). Off at rank 0."""
+
+    rank: int = 0  # r; 0 = off: every parameter trains
+    alpha: float = 16.0  # an adapter's output is scaled by alpha / rank
+    targets: List[str] = field(default_factory=lambda: ["all"])  # q k v o gate up down | all
+    dropout: float = 0.0  # on an adapter's input, in training steps only
+    base_quantization: str = "none"  # none | nf4 | int8: how the frozen base is stored (QLoRA)
+
+    @property
+    def on(self) -> bool:
+        return self.rank > 0
+
+    def target_names(self) -> tuple[str, ...]:
+        return LORA_TARGETS if "all" in self.targets else tuple(self.targets)
+
+
 @dataclass
 class DataConfig:
     name: str = "builtin"  # builtin | text | jsonl | parquet | tokens | prompts (docs/data.md)
@@ -143,6 +164,7 @@ class ExportConfig:
     path: Optional[str] = None  # output folder: config.json + *.safetensors, loadable by transformers
     dtype: str = "bfloat16"  # bfloat16 (as Gemma 3 is released) | float32
     max_shard_gb: float = 5.0  # safetensors files are split at this size (GB), with an index
+    lora: str = "merged"  # a LoRA run: merged (a whole model, adapters folded in) | adapter (PEFT)
 
 
 @dataclass
@@ -214,6 +236,7 @@ class Config:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     plan: PlannerConfig = field(default_factory=PlannerConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 def register_configs() -> None:
@@ -278,6 +301,8 @@ _CHOICES = {
     ("data", "packing"): ("concat", "first_fit"),
     ("data", "dtype"): ("uint16", "uint32"),
     ("export", "dtype"): ("bfloat16", "float32"),
+    ("export", "lora"): ("merged", "adapter"),
+    ("lora", "base_quantization"): ("none", "nf4", "int8"),
     ("trainer", "name"): ("default", "grpo"),
     ("grpo", "kl_estimator"): ("k3", "k1"),
     ("grpo", "advantage"): ("grpo", "dr_grpo", "rloo"),
@@ -314,6 +339,8 @@ _RANGES = {
     ("generate", "top_k"): _NATURAL, ("generate", "seed"): _NATURAL,
     ("generate", "eos_id"): _Range(-1),
     ("export", "max_shard_gb"): _POSITIVE,
+    ("lora", "rank"): _NATURAL, ("lora", "alpha"): _POSITIVE,
+    ("lora", "dropout"): _Range(0, 1, high_open=True),
     ("distributed", "init_timeout_s"): _COUNT, ("distributed", "heartbeat_timeout_s"): _COUNT,
     ("distributed", "step_timeout_s"): _COUNT,
     ("plan", "device_memory_gb"): _POSITIVE, ("plan", "num_devices"): _COUNT,
@@ -354,6 +381,7 @@ def validate(cfg: Config) -> None:
         )
     _validate_checkpoint(cfg.checkpoint)
     _validate_trainer(cfg)
+    _validate_lora(cfg.lora)
 
 
 def _validate_trainer(cfg: Config) -> None:
@@ -382,6 +410,16 @@ def _validate_trainer(cfg: Config) -> None:
     if mesh is not None and "pp" in list(mesh[1]) and int(mesh[0][list(mesh[1]).index("pp")]) != 1:
         raise ConfigError(f"model.mesh_shape={mesh} has pipeline stages, which trainer=grpo does "
                           f"not support yet; put those devices on fsdp or tp instead.")
+
+
+def _validate_lora(lora: LoraConfig) -> None:
+    unknown = [t for t in lora.targets if t not in (*LORA_TARGETS, "all")]
+    if unknown or not lora.targets:
+        raise ConfigError(f"lora.targets={list(lora.targets)} names {unknown or 'nothing'}; use "
+                          f"projections of {', '.join(LORA_TARGETS)}, or all.")
+    if lora.base_quantization != "none" and not lora.on:
+        raise ConfigError(f"lora.base_quantization={lora.base_quantization} quantizes the frozen "
+                          f"base of LoRA, which is off (lora.rank=0); set lora.rank, e.g. 16.")
 
 
 def optimizer_steps(cfg: Config) -> int:

@@ -6,6 +6,12 @@ safetensors (split at `export.max_shard_gb` with an index). `model.init_from=hf:
 of a run exports an imported checkpoint (a round trip). If the weights first came from a
 Hugging Face checkpoint that is still there, its tokenizer and generation config are copied;
 otherwise the run's tokenizer file (`data.tokenizer`) is, and its special ids go into the config.
+
+A LoRA run (models/lora.py) exports as `export.lora` says: `merged` folds its adapters into the
+base's weights (dequantized, for QLoRA) and writes the folder above; `adapter` writes a PEFT
+adapter folder (adapter_config.json, adapter_model.safetensors) for
+`peft.PeftModel.from_pretrained` on the base model, whose folder is named in it when the base
+came from `model.init_from=hf:<dir>`.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from tunix_train import cli
 from tunix_train.inference import weights
 from tunix_train.config import Config, ConfigError
 from tunix_train.data import tokenizer as tokenizer_lib
-from tunix_train.models import hf_config, hf_weights
+from tunix_train.models import hf_config, hf_weights, lora, quantization
+from tunix_train.parallel import layout as layout_lib
 
 log = logging.getLogger("tunix_train")
 
@@ -43,12 +50,29 @@ def export(cfg: Config, explicit: Iterable[str] = (), tokenizer_chosen: bool = F
         )
     source = weights.tokenizer_source(cfg, tokenizer_chosen)
     tok = None if source == "none" else tokenizer_lib.open_tokenizer(source)  # fails before loading
-    cfg, _, params = weights.for_inference(cfg, explicit)
+    trained = weights.saved_lora(cfg.checkpoint.resume_from)[0] if cfg.checkpoint.resume_from \
+        else cfg.lora
+    if cfg.export.lora == "adapter" and not trained.on:
+        raise ConfigError(f"export.lora=adapter writes a LoRA run's adapters, but "
+                          f"{cfg.checkpoint.resume_from or cfg.model.init_from} has none "
+                          f"(lora.rank=0); drop export.lora to export the whole model.")
+    cfg, layout, params = weights.for_inference(cfg, explicit)
+    out = Path(cfg.export.path).expanduser()
+    origin = weights.hf_origin(cfg.model)
+    if layout.frozen is not None and cfg.export.lora == "adapter":
+        host = _to_host(layout_lib.select(params, lora.is_adapter))
+        if jax.process_index() != 0:
+            return []
+        file = hf_weights.save_adapter(host, cfg.model, cfg.lora, out, np.dtype(cfg.export.dtype),
+                                       None if origin is None else str(origin))
+        log.info("exported the LoRA adapter of %s to %s (base: %s)", cfg.model.name, out,
+                 origin or "not a Hugging Face folder; export it with export.lora=merged")
+        return [file]
+    if layout.frozen is not None:
+        params = jax.jit(lambda p: lora.folded(quantization.dequantized(p), cfg.lora))(params)
     host = _to_host(params)
     if jax.process_index() != 0:
         return []
-    out = Path(cfg.export.path).expanduser()
-    origin = weights.hf_origin(cfg.model)
     files = hf_weights.save(host, cfg.model, out, np.dtype(cfg.export.dtype),
                             int(cfg.export.max_shard_gb * 1e9), _token_ids(tok, origin))
     if origin is not None:

@@ -64,8 +64,8 @@ def generate(cfg: Config, explicit: Iterable[str] = (),
     ids = prompt_ids(cfg, tok)
     sampling = options(cfg, tok)
     cfg, layout, params = weights.for_inference(cfg, explicit)
-    sampler = Sampler(layout.graphdef, layout.shardings, sampling, layout.compute_dtype,
-                      layout.mesh, layout.rules.params)
+    sampler = Sampler(layout.graphdef, layout.merged_shardings(), sampling,
+                      layout.compute_dtype, layout.mesh, layout.rules.params)
     new = sampler(params, [ids], seed=cfg.generate.seed)[0]
     # Rows of a vocabulary padded beyond the tokenizer's have no text (an untrained model may
     # still pick them); `ids` keeps them.

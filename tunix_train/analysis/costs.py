@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from tunix_train.analysis import comm_report, hlo
 from tunix_train.analysis.comm_report import CommReport
+from tunix_train.models import quantization
 from tunix_train.parallel import fsdp, stages
 
 UNITS = {"MB": 1e6, "GB": 1e9}
@@ -34,8 +35,8 @@ UNITS = {"MB": 1e6, "GB": 1e9}
 
 @dataclass
 class StepCosts:
-    per_device_bytes: dict[str, int]  # params, grads, optimizer(_host), grad_buffer, temp,
-    # total (device memory), host (host memory)
+    per_device_bytes: dict[str, int]  # params, frozen (LoRA's base), grads, optimizer(_host),
+    # grad_buffer, temp, total (device memory), host (host memory)
     xla_memory: dict[str, int]  # compiled.memory_analysis(): arguments, outputs, aliased, temp
     flops_per_step: float  # all devices, as compiled (remat recomputation included)
     comm: CommReport
@@ -48,12 +49,14 @@ class StepCosts:
         buffer = (f"; also there: a {f['grad_buffer']} unreduced gradient buffer"
                   if self.per_device_bytes["grad_buffer"] else "")
         host = self.per_device_bytes["host"]
+        frozen = (f", frozen base {f['frozen']} (LoRA: the adapters are the params)"
+                  if self.per_device_bytes.get("frozen") else "")
         lines = [
             f"memory per device (compiled step), from XLA: arguments {f['arguments']} + outputs "
             f"{f['outputs']} - donated {f['aliased']} + temporaries {f['temp']} = {f['total']}"
             + (f" on the device, {f['host']} in host memory" if host else ""),
-            f"  model state: params {f['params']} and optimizer {f['optimizer']} (arguments), "
-            f"grads {f['grads']} (temporaries, with the activations{buffer})",
+            f"  model state: params {f['params']} and optimizer {f['optimizer']}{frozen} "
+            f"(arguments), grads {f['grads']} (temporaries, with the activations{buffer})",
         ]
         if self.per_device_bytes["optimizer_host"]:
             lines.append(f"  offloaded: {f['optimizer_host']} of the optimizer state lives in "
@@ -131,9 +134,9 @@ def sharded_bytes(abstract: Any, shardings: Any, dtype: Any = None,
     """Bytes one device holds of a tree of shapes laid out by `shardings` (even shards); only
     those in `memory_kind` if given."""
     sizes = jax.tree.map(
-        lambda a, s: math.prod(s.shard_shape(a.shape)) * jnp.dtype(dtype or a.dtype).itemsize
+        lambda a, s: math.prod(s.shard_shape(a.shape)) * quantization.itemsize(dtype or a.dtype)
         if memory_kind in (None, s.memory_kind) else 0, abstract, shardings)
-    return sum(jax.tree.leaves(sizes))
+    return int(sum(jax.tree.leaves(sizes)))
 
 
 def gradient_buffer_bytes(sync: fsdp.GradientSync, abstract_params: Any) -> int:

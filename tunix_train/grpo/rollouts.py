@@ -29,6 +29,7 @@ from tunix_train.grpo import objective as objective_lib
 from tunix_train.grpo.prompts import Prompt
 from tunix_train.grpo.rewards import Rewards
 from tunix_train.inference.sampler import Sampler, SamplingOptions
+from tunix_train.models import quantization
 from tunix_train.parallel import sharding as sharding_lib
 from tunix_train.training.setup import Setup
 
@@ -58,7 +59,7 @@ class RolloutMaker:
         self.prompt_tokens = setup.batch.seq_len - g.max_new_tokens
         self.eos_id = -1 if tokenizer.eos_id is None else tokenizer.eos_id
         layout, mesh = setup.params, setup.mesh
-        weights = sharding_lib.gathered_over_fsdp(layout.shardings)
+        weights = sharding_lib.gathered_over_fsdp(layout.merged_shardings())
         self.rows = sharding_lib.batch_sharding(mesh, dict(layout.rules.params))
         options = SamplingOptions(g.max_new_tokens, g.temperature, g.top_k, self.eos_id, g.top_p)
         self.sampler = Sampler(layout.graphdef, weights, options, layout.compute_dtype, mesh,
@@ -66,10 +67,10 @@ class RolloutMaker:
         dtype = layout.compute_dtype
         # The policy's weights for decoding: cast once per step and gathered over fsdp, so
         # no generated token waits for a gather.
-        self.for_decoding = jax.jit(
-            lambda p: jax.tree.map(lambda x: x.astype(dtype), p), out_shardings=weights)
+        self.for_decoding = jax.jit(lambda p: quantization.cast(p, dtype), out_shardings=weights)
 
     def make(self, params: Any, prompts: list[Prompt], rng: jax.Array) -> Rollouts:
+        """Rollouts of `params`, the model's whole tree (with LoRA: adapters and base)."""
         g = self.g
         rows = [p for p in prompts for _ in range(g.num_generations)]  # groups are consecutive
         padded, lengths = self.left_padded(rows)
@@ -144,7 +145,7 @@ def reference_scorer(setup: Setup, temperature: float):
 
     def score(params, batch):
         with sharding_lib.activate(options.mesh, options.rules):
-            model = nnx.merge(layout.graphdef, jax.tree.map(lambda x: x.astype(dtype), params))
+            model = nnx.merge(layout.graphdef, quantization.cast(params, dtype))
 
             def one(micro):
                 return -model.token_losses(micro["inputs"], micro["targets"], micro["positions"],
@@ -155,5 +156,5 @@ def reference_scorer(setup: Setup, temperature: float):
             return jax.lax.map(one, {k: batch[k] for k in keys})
 
     batch_sharding = setup.batch_sharding
-    return jax.jit(score, in_shardings=(layout.shardings, batch_sharding),
+    return jax.jit(score, in_shardings=(layout.merged_shardings(), batch_sharding),
                    out_shardings=batch_sharding)

@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tunix_train import checkpoint as checkpoint_lib
 from tunix_train import config as config_lib
 from tunix_train.checkpoint import Checkpoints
 from tunix_train.config import Config, ConfigError
@@ -44,6 +43,7 @@ from tunix_train.training.metrics import MetricsWriter, Throughput, setup_proces
 from tunix_train.training.run import (already_complete, finishing, log_startup,
                                       report_startup_costs)
 from tunix_train.training.setup import Setup
+from tunix_train.training.state import FROZEN
 
 log = logging.getLogger("tunix_train")
 
@@ -83,9 +83,10 @@ def run(cfg: Config, run_dir: Path, hooks: StepHooks = StepHooks()) -> dict[str,
     checkpoints = Checkpoints(run_dir, cfg.checkpoint)
     try:
         with writer.console():
-            loop = Loop(step, order, lambda params: math.nan, writer, checkpoints, hooks,
+            loop = Loop(step, order, lambda state: math.nan, writer, checkpoints, hooks,
                         cfg.training, cfg.logging, cfg.distributed.step_timeout_s,
-                        Throughput(first_step, setup.tokens_per_step), config_lib.to_dict(cfg))
+                        Throughput(first_step, setup.tokens_per_step),
+                        setup.saved_config(state.get(FROZEN)))
             state, summary = loop.run(state, first_step)
             with finishing(summary["final_step"]):
                 checkpoints.close()
@@ -104,17 +105,23 @@ def _compiled_update(setup: Setup, writer: MetricsWriter, run_dir: Path):
         extra["ref_logps"] = jnp.float32
     compiled = setup.compile_train_step(loss_fn, extra)
     report_startup_costs(setup, compiled, writer, run_dir)
-    return compiled
+    return setup.runnable(compiled, loss_fn)
+
+
+ADAPTERS_OFF = "adapters off"  # LoRA's reference: the frozen base (GrpoStep.reference_params)
 
 
 def _reference(setup: Setup, run_dir: Path):
-    """The frozen reference weights (sharded like the policy's), None when grpo.beta = 0."""
+    """The frozen reference weights (sharded like the policy's), None when grpo.beta = 0, and
+    ADAPTERS_OFF with LoRA."""
     cfg = setup.cfg
     if cfg.grpo.beta == 0:
         return None
+    if cfg.lora.on:
+        log.info("reference model for the KL penalty: the LoRA base, adapters off")
+        return ADAPTERS_OFF
     if cfg.checkpoint.init_params_from:
-        params = checkpoint_lib.load_params(cfg.checkpoint.init_params_from,
-                                            setup.params.abstract, setup.params.shardings)
+        params = setup.params.run_params(cfg.checkpoint.init_params_from)
         source = cfg.checkpoint.init_params_from
     else:
         params = setup.params.initial_params(cfg.training.seed)
@@ -137,12 +144,13 @@ class GrpoStep:
     def __call__(self, state, prompts) -> tuple[Any, dict]:
         self.step += 1
         start = time.perf_counter()
-        r = self.rollouts.make(state["params"], prompts, jax.random.fold_in(self.key, self.step))
+        policy = self.setup.state.model_params(state)
+        r = self.rollouts.make(policy, prompts, jax.random.fold_in(self.key, self.step))
         rollout_s = time.perf_counter() - start
         batch = on_devices(self.rollouts.update_batch(r, self.g.loss_aggregation),
                            self.setup.batch_sharding)
         if self.score is not None:
-            batch["ref_logps"] = self.score(self.reference, batch)
+            batch["ref_logps"] = self.score(self.reference_params(state), batch)
         updates = []
         for _ in range(self.g.num_iterations):
             state, metrics = self.update(state, batch)
@@ -152,6 +160,14 @@ class GrpoStep:
         if self.step % self.g.sample_every_steps == 0 or self.step == 1:
             self._show_samples(r)
         return state, {**_update_metrics(updates), **_rollout_metrics(r, rollout_s, update_s)}
+
+    def reference_params(self, state) -> Any:
+        """The reference's whole parameter tree. With LoRA the reference is the base itself,
+        the adapters switched off (zeros in their place: no second copy of the base)."""
+        if self.reference is not ADAPTERS_OFF:
+            return self.reference
+        off = jax.tree.map(jnp.zeros_like, state["params"])
+        return self.setup.state.model_params({**state, "params": off})
 
     def _show_samples(self, r: Rollouts) -> None:
         shown = [f"**prompt** {r.prompts[i].text!r}\n**completion** {r.texts[i]!r}\n"

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from tunix_train.models import quantization
 from tunix_train.parallel.sharding import LogicalRules, activate
 
 
@@ -87,7 +88,7 @@ def generate_fn(graphdef: nnx.GraphDef, options: SamplingOptions, compute_dtype:
 
     def generate(params, prompts_BxP, lengths_B, rng):
         with activate(mesh, rules) if mesh is not None else contextlib.nullcontext():
-            params = jax.tree.map(lambda x: x.astype(compute_dtype), params)
+            params = quantization.cast(params, compute_dtype)
             model = nnx.merge(graphdef, params)
             batch, prompt_len = prompts_BxP.shape
             cache = model.init_cache(batch, prompt_len + options.max_new_tokens, compute_dtype)

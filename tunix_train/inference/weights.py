@@ -1,6 +1,8 @@
 """Weights for inference and export, each array created in its sharding on the current mesh:
 a training run's checkpoint (`checkpoint.resume_from=<run dir>`), a Hugging Face checkpoint
-(`model.init_from=hf:<dir>`), or, for trying things out, a random initialisation."""
+(`model.init_from=hf:<dir>`), or, for trying things out, a random initialisation. A LoRA run's
+checkpoint holds its adapters: its base is rebuilt from the source the run recorded, and the
+model gets both (the adapters on)."""
 
 from __future__ import annotations
 
@@ -11,31 +13,47 @@ from typing import Any, Iterable
 import jax
 
 from tunix_train import checkpoint
-from tunix_train.config import Config, ModelConfig
+from tunix_train.config import Config, LoraConfig, ModelConfig
 from tunix_train.models import hf_config
 from tunix_train.parallel import mesh as mesh_lib
 from tunix_train.parallel.layout import ParamLayout
 
 log = logging.getLogger("tunix_train")
 
+
 def for_inference(cfg: Config, explicit: Iterable[str]) -> tuple[Config, ParamLayout, Any]:
     """(config with the weights' model dimensions, their layout on the current mesh, the
-    parameters). `checkpoint.resume_from=<run dir>` wins over `model.init_from`; with neither,
-    the parameters are the random initialisation of `training.seed`."""
+    model's whole parameter tree, laid out as `layout.merged_shardings()`).
+    `checkpoint.resume_from=<run dir>` wins over `model.init_from`; with neither, the
+    parameters are the random initialisation of `training.seed`."""
+    base_source = None
     if cfg.checkpoint.resume_from:
         cfg.model = saved_model_config(cfg.checkpoint.resume_from, cfg.model, explicit)
+        cfg.lora, base_source = saved_lora(cfg.checkpoint.resume_from)
     devices = jax.devices()
     mesh = mesh_lib.create_mesh(mesh_lib.parse(cfg.model.mesh_shape, len(devices)), devices)
     layout = ParamLayout.create(cfg.model, mesh, cfg.training.zero_stage,
-                                mixed_precision=cfg.training.mixed_precision)
+                                mixed_precision=cfg.training.mixed_precision, lora=cfg.lora)
     if cfg.checkpoint.resume_from:
         log.info("loading parameters from %s", cfg.checkpoint.resume_from)
-        return cfg, layout, checkpoint.load_params(cfg.checkpoint.resume_from, layout.abstract,
-                                                    layout.shardings)
+        params = checkpoint.load_params(cfg.checkpoint.resume_from, layout.abstract,
+                                        layout.shardings)
+        if layout.frozen is None:
+            return cfg, layout, params
+        seed, init_params_from = base_source
+        return cfg, layout, layout.merge(params, layout.base(seed, init_params_from))
     if not cfg.model.init_from:
         log.warning("neither checkpoint.resume_from nor model.init_from is set: using random "
                     "weights")
-    return cfg, layout, layout.initial_params(cfg.training.seed)
+    return cfg, layout, layout.merge(*layout.initial(cfg.training.seed))
+
+
+def saved_lora(run_dir: str | Path) -> tuple[LoraConfig, tuple[int, str | None]]:
+    """A saved run's LoRA settings, and where its base came from: (training.seed,
+    checkpoint.init_params_from); `model.init_from` is in its model config."""
+    saved = checkpoint.saved_config(run_dir)
+    lora = LoraConfig(**saved.get("lora", {}))
+    return lora, (saved["training"]["seed"], saved["checkpoint"].get("init_params_from"))
 
 
 def saved_model_config(run_dir: str | Path, current: ModelConfig,

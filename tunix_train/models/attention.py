@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tunix_train.config import ModelConfig
-from tunix_train.models import blockwise, flash, kv_cache, partitioning, rope
+from tunix_train.config import LoraConfig, ModelConfig
+from tunix_train.models import blockwise, flash, kv_cache, lora, partitioning, rope
 from tunix_train.models.family import Architecture
-from tunix_train.models.layers import RMSNorm, param, project, scaled_normal
+from tunix_train.models.layers import RMSNorm, adapted, param, scaled_normal
 from tunix_train.models.partitioning import constrain
 
 log = logging.getLogger("tunix_train")
@@ -28,12 +28,20 @@ class Attention(nnx.Module):
     """Grouped-query attention, with per-head RMSNorm of queries and keys where the family has
     it."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, arch: Architecture):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, arch: Architecture,
+                 lora_cfg: LoraConfig = LoraConfig()):
         D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q = param(scaled_normal(rngs, (D, N, H), D), "embed", "q_heads", "head_dim")
         self.k = param(scaled_normal(rngs, (D, K, H), D), "embed", "kv_heads", "head_dim")
         self.v = param(scaled_normal(rngs, (D, K, H), D), "embed", "kv_heads", "head_dim")
         self.o = param(scaled_normal(rngs, (N, H, D), N * H), "q_heads", "head_dim", "embed")
+        heads = ("head_dim",)
+        shapes = {"q": ((D,), ("embed",), (N, H), ("q_heads", *heads)),
+                  "k": ((D,), ("embed",), (K, H), ("kv_heads", *heads)),
+                  "v": ((D,), ("embed",), (K, H), ("kv_heads", *heads)),
+                  "o": ((N, H), ("q_heads", *heads), (D,), ("embed",))}
+        for name, adapter in lora.adapters(lora_cfg, rngs, shapes).items():
+            setattr(self, name, adapter)
         if arch.qk_norm:
             self.q_norm = RMSNorm(H, cfg.rms_norm_eps, arch.norm_offset)
             self.k_norm = RMSNorm(H, cfg.rms_norm_eps, arch.norm_offset)
@@ -62,9 +70,9 @@ class Attention(nnx.Module):
 
     def _project(self, x_BxLxD, cos_sin):
         """Queries, keys and values, normalised per head and rotated."""
-        q_BxLxNxH = project(x_BxLxD, self.q[...])
-        k_BxLxKxH = project(x_BxLxD, self.k[...])
-        v_BxLxKxH = project(x_BxLxD, self.v[...])
+        q_BxLxNxH = adapted(self, "q", x_BxLxD)
+        k_BxLxKxH = adapted(self, "k", x_BxLxD)
+        v_BxLxKxH = adapted(self, "v", x_BxLxD)
         q_BxLxNxH = constrain(q_BxLxNxH, ("act_batch", "act_seq", "act_q_heads", None))
         k_BxLxKxH = constrain(k_BxLxKxH, ("act_batch", "act_seq", "act_kv_heads", None))
         v_BxLxKxH = constrain(v_BxLxKxH, ("act_batch", "act_seq", "act_kv_heads", None))
@@ -141,7 +149,7 @@ class Attention(nnx.Module):
 
     def _output(self, out_BxLxNxH: jax.Array) -> jax.Array:
         out_BxLxNxH = constrain(out_BxLxNxH, ("act_batch", "act_seq", "act_q_heads", None))
-        return project(out_BxLxNxH, self.o[...], contract=2)
+        return adapted(self, "o", out_BxLxNxH, contract=2)
 
 
 _PATHS = {"blockwise": "blockwise", "xla": "XLA, [B, N, L, L] scores",

@@ -15,18 +15,23 @@ Shapes are written into names: B batch, L sequence, D embed, T new tokens, V voc
 
 from __future__ import annotations
 
+import contextlib
+import zlib
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tunix_train.config import ModelConfig
-from tunix_train.models import kv_cache, layers, rope
+from tunix_train.config import LoraConfig, ModelConfig
+from tunix_train.models import kv_cache, layers, lora, rope
 from tunix_train.models.attention import Attention
 from tunix_train.models.family import Architecture, Family
 from tunix_train.models.head import VocabChunks
-from tunix_train.models.layers import MLP, PROJECTION, Embedder, RMSNorm, Unembedding
-from tunix_train.models.params import materialize, never_saving_materialized
+from tunix_train.models.layers import (GATED, PROJECTION, Embedder, RMSNorm, Unembedding,
+                                       adapted, param, scaled_normal)
 from tunix_train.models.partitioning import constrain
+from tunix_train.models.params import materialize, never_saving_materialized
 
 # What the backward pass keeps of a layer's forward (`training.remat`). None of them keeps the
 # layer's materialized parameters (models/params.py): FSDP gathers them again instead.
@@ -41,16 +46,41 @@ REMAT_POLICIES = {name: never_saving_materialized(policy) for name, policy in {
 }.items()}
 
 
+class MLP(nnx.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)), GeGLU or SwiGLU; LoRA adapters where targeted."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, activation: str,
+                 lora_cfg: LoraConfig = LoraConfig()):
+        D, F = cfg.embed_dim, cfg.hidden_dim
+        self.gate = param(scaled_normal(rngs, (D, F), D), "embed", "mlp")
+        self.up = param(scaled_normal(rngs, (D, F), D), "embed", "mlp")
+        self.down = param(scaled_normal(rngs, (F, D), F), "mlp", "embed")
+        self.gated = GATED[activation]
+        shapes = {"gate": ((D,), ("embed",), (F,), ("mlp",)),
+                  "up": ((D,), ("embed",), (F,), ("mlp",)),
+                  "down": ((F,), ("mlp",), (D,), ("embed",))}
+        for name, adapter in lora.adapters(lora_cfg, rngs, shapes).items():
+            setattr(self, name, adapter)
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        gate_BxLxF = adapted(self, "gate", x_BxLxD)
+        up_BxLxF = adapted(self, "up", x_BxLxD)
+        h_BxLxF = self.gated(gate_BxLxF, up_BxLxF)
+        h_BxLxF = constrain(h_BxLxF, ("act_batch", "act_seq", "act_mlp"))
+        return adapted(self, "down", h_BxLxF)
+
+
 class DecoderLayer(nnx.Module):
     """Pre-norm attention and MLP blocks with residual adds; with the family's post-norms (Gemma
     2 and 3), each block's output is normalised again before the add."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, arch: Architecture):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, arch: Architecture,
+                 lora_cfg: LoraConfig = LoraConfig()):
         eps, offset = cfg.rms_norm_eps, arch.norm_offset
         self.pre_attention_norm = RMSNorm(cfg.embed_dim, eps, offset)
-        self.attention = Attention(cfg, rngs, arch)
+        self.attention = Attention(cfg, rngs, arch, lora_cfg)
         self.pre_mlp_norm = RMSNorm(cfg.embed_dim, eps, offset)
-        self.mlp = MLP(cfg, rngs, arch.activation)
+        self.mlp = MLP(cfg, rngs, arch.activation, lora_cfg)
         if arch.post_norms:
             self.post_attention_norm = RMSNorm(cfg.embed_dim, eps, offset)
             self.post_mlp_norm = RMSNorm(cfg.embed_dim, eps, offset)
@@ -74,12 +104,12 @@ class DecoderLayer(nnx.Module):
         return getattr(self, norm)(y_BxLxD) if self.post_norms else y_BxLxD
 
 
-def _stacked_layers(cfg: ModelConfig, arch: Architecture, count: int, rngs: nnx.Rngs,
-                    axis: str) -> DecoderLayer:
+def _stacked_layers(cfg: ModelConfig, arch: Architecture, lora_cfg: LoraConfig, count: int,
+                    rngs: nnx.Rngs, axis: str) -> DecoderLayer:
     @nnx.split_rngs(splits=count)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
     def make(layer_rngs: nnx.Rngs) -> DecoderLayer:
-        return DecoderLayer(cfg, layer_rngs, arch)
+        return DecoderLayer(cfg, layer_rngs, arch, lora_cfg)
 
     return make(rngs)
 
@@ -88,7 +118,8 @@ class Decoder(nnx.Module):
     """One family's model. Its stacks are attributes named as the layout names them (Gemma 3:
     `local_layers`, `global_layers`, `trailing_layers`; Llama and Qwen: `layers`)."""
 
-    def __init__(self, cfg: ModelConfig, family: Family, *, rngs: nnx.Rngs, remat: str = "none"):
+    def __init__(self, cfg: ModelConfig, family: Family, *, rngs: nnx.Rngs, remat: str = "none",
+                 lora_cfg: LoraConfig = LoraConfig()):
         self.cfg = cfg
         self.layout = family.layout(cfg)
         self.ropes = family.ropes(cfg)
@@ -96,11 +127,12 @@ class Decoder(nnx.Module):
         arch = family.architecture
         self.embedder = Embedder(cfg, rngs, arch.embed_scale)
         for stack in self.layout.stacks:
-            setattr(self, stack, _stacked_layers(cfg, arch, self.layout.count(stack), rngs,
-                                                 self.layout.axis(stack)))
+            setattr(self, stack, _stacked_layers(cfg, arch, lora_cfg, self.layout.count(stack),
+                                                 rngs, self.layout.axis(stack)))
         self.final_norm = RMSNorm(cfg.embed_dim, cfg.rms_norm_eps, arch.norm_offset)
         if not cfg.tie_embeddings:
             self.head = Unembedding(cfg, rngs)
+        self.lora_dropout = lora_cfg.dropout if lora_cfg.on else 0.0
 
     def __call__(
         self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None,
@@ -147,16 +179,16 @@ class Decoder(nnx.Module):
         """The blocks whose layers this module holds: all of them, or one pipeline stage's
         chunk when the stacks are one (parallel/pipeline.py)."""
         steps = self._scan_steps(ropes, segment_ids_BxL, self.layout.block_stacks)
-        x_BxLxD, _ = self._run_blocks(x_BxLxD, steps, self._states(self.layout.block_stacks))
+        x_BxLxD, _ = self._run_blocks(x_BxLxD, steps, self._layer_xs(self.layout.block_stacks))
         return x_BxLxD
 
     def tail(self, x_BxLxD: jax.Array, ropes: dict[str, rope.CosSin],
              segment_ids_BxL: jax.Array | None) -> jax.Array:
         """The trailing layers and the final norm."""
         stacks = self.layout.trailing_stacks
-        steps = self._scan_steps(ropes, segment_ids_BxL, stacks)
+        steps, xs = self._scan_steps(ropes, segment_ids_BxL, stacks), self._layer_xs(stacks)
         for stack in stacks:
-            x_BxLxD, _ = jax.lax.scan(steps[stack], x_BxLxD, nnx.state(getattr(self, stack)),
+            x_BxLxD, _ = jax.lax.scan(steps[stack], x_BxLxD, xs[stack],
                                       unroll=self.cfg.unroll_layers)
         return _materialized(self.final_norm)(x_BxLxD)
 
@@ -202,8 +234,14 @@ class Decoder(nnx.Module):
                                           cfg.num_kv_heads, cfg.head_dim, dtype)
         return cache
 
-    def _states(self, stacks) -> dict[str, nnx.State]:
-        return {stack: nnx.state(getattr(self, stack)) for stack in stacks}
+    def _layer_xs(self, stacks) -> dict[str, Any]:
+        """Per stack, what its scan runs over: the layers' parameters, and with LoRA dropout
+        each layer's index in its stack (every layer draws its own masks)."""
+        states = {stack: nnx.state(getattr(self, stack)) for stack in stacks}
+        if not self.lora_dropout:
+            return states
+        return {s: (state, jnp.arange(jax.tree.leaves(state)[0].shape[0], dtype=jnp.uint32))
+                for s, state in states.items()}
 
     def _run_blocks(self, x, steps: dict, xs: dict):
         """Runs the blocks: a scan over blocks, each running its segments in order. `xs`: per
@@ -236,14 +274,19 @@ class Decoder(nnx.Module):
     def _scan_steps(self, ropes, segment_ids_BxL, stacks) -> dict:
         """The remat'ed scan body of each stack in `stacks`."""
         return {stack: self._scan_step(getattr(self, stack), ropes[stack], segment_ids_BxL,
-                                       self.layout.window(stack)) for stack in stacks}
+                                       self.layout.window(stack), zlib.crc32(stack.encode()))
+                for stack in stacks}
 
-    def _scan_step(self, stack, cos_sin, segment_ids_BxL, window):
+    def _scan_step(self, stack, cos_sin, segment_ids_BxL, window, salt: int):
         graphdef = nnx.graphdef(stack)
+        numbered = bool(self.lora_dropout)
 
-        def step(x_BxLxD, layer_state):
-            layer = nnx.merge(graphdef, materialize(layer_state))
-            return layer(x_BxLxD, cos_sin, segment_ids_BxL, window), None
+        def step(x_BxLxD, layer_xs):
+            layer_state, index = layer_xs if numbered else (layer_xs, None)
+            with lora.folded_in(salt), lora.folded_in(index) if numbered else \
+                    contextlib.nullcontext():
+                layer = nnx.merge(graphdef, materialize(layer_state))
+                return layer(x_BxLxD, cos_sin, segment_ids_BxL, window), None
 
         # prevent_cse=False: the scan already keeps iterations apart.
         return jax.checkpoint(step, policy=REMAT_POLICIES[self.remat], prevent_cse=False)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from tunix_train.config import ConfigError, ModelConfig
+from tunix_train.config import ConfigError, LoraConfig, ModelConfig
 from tunix_train.models import gemma3, llama3, qwen3
 from tunix_train.models.decoder import Decoder
 from tunix_train.models.family import Family, StackLayout
@@ -32,8 +32,9 @@ def by_model_type(model_type: str, source: str) -> Family:
                       f"supported ones are {known}.")
 
 
-def build(model: ModelConfig, rngs: nnx.Rngs, remat: str = "none") -> Decoder:
-    return Decoder(model, of(model), rngs=rngs, remat=remat)
+def build(model: ModelConfig, rngs: nnx.Rngs, remat: str = "none",
+          lora: LoraConfig = LoraConfig()) -> Decoder:
+    return Decoder(model, of(model), rngs=rngs, remat=remat, lora_cfg=lora)
 
 
 def layout(model: ModelConfig) -> StackLayout:

@@ -62,3 +62,20 @@ def read_box(tensor, layout: Layout, shape: tuple[int, ...], box: tuple[slice, .
 
 def to_hf(layout: Layout, ours: np.ndarray) -> np.ndarray:
     return ours.transpose(np.argsort(layout.perm)).reshape(hf_shape(layout, ours.shape))
+
+
+def factors_to_hf(layout: Layout, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A low-rank update A [in..., r] · B [r, out...] of a weight of ours, as PEFT's factors of
+    the HF matrix: lora_A [r, in] and lora_B [out, r], with lora_B · lora_A = to_hf(A · B).
+
+    Where each of HF's axes gathers ours by a permutation (these layouts do), the factors are A
+    and B with their axes in HF's order: found by sending our flat indices through `to_hf`.
+    """
+    r = a.shape[-1]
+    in_shape, out_shape = a.shape[:-1], b.shape[1:]
+    n_in, n_out = math.prod(in_shape), math.prod(out_shape)
+    index = to_hf(layout, np.arange(n_in * n_out, dtype=np.int64).reshape(*in_shape, *out_shape))
+    rows, cols = index[0] // n_out, index[:, 0] % n_out  # our input of each HF column, output of each row
+    if not np.array_equal(index, cols[:, None] + rows[None, :] * n_out):
+        raise ValueError("this layout does not map inputs to HF's columns and outputs to its rows")
+    return a.reshape(n_in, r)[rows].T, b.reshape(r, n_out)[:, cols].T

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import jax
 import numpy as np
 
-from tunix_train.config import ConfigError, ModelConfig
+from tunix_train.config import ConfigError, LoraConfig, ModelConfig
 from tunix_train.models import families
 from tunix_train.models.hf_layouts import Layout, hf_shape, read_box, to_hf
 
@@ -192,3 +192,44 @@ def _shard_plan(model: ModelConfig, params: Any, itemsize: int, max_bytes: int) 
         current.append(entry)
         size += nbytes
     return plan + [current]
+
+
+ADAPTER_PREFIX = "base_model.model."  # where PEFT's LoraModel puts the wrapped model's names
+
+
+def save_adapter(adapters: Any, model: ModelConfig, lora: LoraConfig, out: Path,
+                 dtype: np.dtype, base_model: str | None) -> Path:
+    """Writes a PEFT LoRA adapter folder: adapter_config.json and adapter_model.safetensors,
+    `…layers.{i}.self_attn.q_proj.lora_A.weight` [r, in] and `….lora_B.weight` [out, r], which
+    `peft.PeftModel.from_pretrained` loads onto the family's transformers model. `adapters`:
+    host arrays, the adapters' part of our tree."""
+    from safetensors.numpy import save_file
+
+    from tunix_train.models.hf_layouts import factors_to_hf
+    from tunix_train.models.layers import LORA_SUFFIX
+
+    tensors, modules = {}, set()
+    for name, leaf, layout, index in hf_tensors(model):
+        try:
+            adapter = _get(adapters, (*leaf[:-1], leaf[-1] + LORA_SUFFIX))
+        except (KeyError, TypeError):
+            continue
+        a, b = (np.asarray(adapter[k] if index is None else adapter[k][index]) for k in "ab")
+        lora_a, lora_b = factors_to_hf(layout, a, b)
+        module = name.removesuffix(".weight")
+        tensors[f"{ADAPTER_PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(
+            lora_a.astype(dtype))
+        tensors[f"{ADAPTER_PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(
+            lora_b.astype(dtype))
+        modules.add(module.rsplit(".", 1)[-1])
+    out.mkdir(parents=True, exist_ok=True)
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,
+        "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": sorted(modules),
+        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True,
+        "inference_mode": True, "modules_to_save": None, "base_model_name_or_path": base_model,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    path = out / "adapter_model.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return path

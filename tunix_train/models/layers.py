@@ -1,6 +1,6 @@
 """The pieces every family's layers are built from, in Flax NNX: parameters by logical axis
-names, projections, norms, the gated MLP, the embedding and the output head. Attention is in
-models/attention.py, the decoder layer and the model in models/decoder.py.
+names, projections, norms, gated activations, the embedding and the output head. Attention is
+in models/attention.py, the MLP, the decoder layer and the model in models/decoder.py.
 
 Shapes are written into names: B batch, L sequence, D embed, N query heads, K KV heads,
 H head dim, F MLP width, V vocabulary.
@@ -23,6 +23,7 @@ from tunix_train.models.params import materialize, take
 from tunix_train.models.partitioning import constrain
 
 PROJECTION = "projection"  # name of a projection's output, for recomputation policies
+LORA_SUFFIX = "_lora"  # the low-rank adapter of projection `q` is the module `q_lora` (lora.py)
 
 
 def scaled_normal(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int) -> jax.Array:
@@ -61,6 +62,14 @@ def project(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
     else:
         y = jnp.tensordot(x, w, axes=contract)
     return checkpoint_name(y, PROJECTION)
+
+
+def adapted(module: nnx.Module, name: str, x: jax.Array, contract: int = 1) -> jax.Array:
+    """x through `module`'s projection `name` (a weight parameter), plus the update of its
+    low-rank adapter where LoRA gave it one (models/lora.py)."""
+    y = project(x, getattr(module, name)[...], contract)
+    adapter = getattr(module, name + LORA_SUFFIX, None)
+    return y if adapter is None else y + adapter(x, contract).astype(y.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -182,21 +191,3 @@ def token_losses(x_BxLxD: jax.Array, table: nnx.Param, targets_BxL: jax.Array,
     losses_T = head.token_losses(x_BxLxD.reshape(batch * length, dim), table.get_value(),
                                  targets_BxL.reshape(-1), chunks)
     return losses_T.reshape(batch, length)
-
-
-class MLP(nnx.Module):
-    """Gated MLP: down(act(gate(x)) * up(x)), GeGLU or SwiGLU."""
-
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, activation: str):
-        D, F = cfg.embed_dim, cfg.hidden_dim
-        self.gate = param(scaled_normal(rngs, (D, F), D), "embed", "mlp")
-        self.up = param(scaled_normal(rngs, (D, F), D), "embed", "mlp")
-        self.down = param(scaled_normal(rngs, (F, D), F), "mlp", "embed")
-        self.gated = GATED[activation]
-
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        gate_BxLxF = project(x_BxLxD, self.gate[...])
-        up_BxLxF = project(x_BxLxD, self.up[...])
-        h_BxLxF = self.gated(gate_BxLxF, up_BxLxF)
-        h_BxLxF = constrain(h_BxLxF, ("act_batch", "act_seq", "act_mlp"))
-        return project(h_BxLxF, self.down[...])

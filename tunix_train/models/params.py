@@ -26,6 +26,8 @@ from typing import Any, Callable, Iterator, Protocol
 import jax
 import jax.numpy as jnp
 
+from tunix_train.models import quantization
+
 MATERIALIZED = "materialized_parameter"
 
 
@@ -44,9 +46,10 @@ _hook: contextvars.ContextVar[ParamHook | None] = contextvars.ContextVar(
 
 
 def materialize(state: Any) -> Any:
-    """A module's parameters ready for compute (the identity unless a hook is installed)."""
+    """A module's parameters ready for compute: fetched by the hook if one is installed, and
+    dequantized where a QLoRA base stores them quantized (models/quantization.py)."""
     hook = _hook.get()
-    return state if hook is None else hook.materialize(state)
+    return quantization.dequantized(state if hook is None else hook.materialize(state))
 
 
 def materialize_stack(state: Any) -> Any:

@@ -31,6 +31,10 @@ trailing layers) is split over fsdp and pp together where ZeRO splits it (shardi
 spread_over_pp): it is gathered and reduce-scattered over both axes, and where its gradient is
 not split, summed over pp after fsdp.
 
+LoRA's frozen base (parallel/layout.py) comes in as a second tree: fetched like any parameter
+(gathered over fsdp at ZeRO-3, in the dtype it is stored in), merged with the adapters for the
+model, never differentiated, so no reduction of it exists at all.
+
 `training.sync_gradients_every` = K > 1 trades memory for fewer reductions: `fetch` then leaves
 gradients local and unreduced, K micro-batches are summed into an fp32 buffer the size of this
 device's (tp) share of the whole model, and one reduction follows. K = 1 (the default) keeps
@@ -50,6 +54,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tunix_train.models import params as model_params
 from tunix_train.parallel.collectives import SYNC_SCOPE, Fetch, FsdpHook, How, blockwise, reduce_one
+from tunix_train.parallel.layout import merged
 from tunix_train.parallel.mesh import FSDP, PP
 
 
@@ -65,6 +70,8 @@ class GradientSync:
     sync_every: int  # micro-steps summed locally between reductions
     compute_dtype: jnp.dtype  # parameters are gathered and used in it
     reduce_dtype: jnp.dtype  # dtype the reductions travel in
+    frozen_specs: Any = None  # PartitionSpec per leaf of LoRA's frozen base; None: no base
+    frozen_stacked: Any = None  # bool per frozen parameter
 
     @property
     def fsdp(self) -> int:
@@ -211,30 +218,34 @@ def _reduce_all(sync: GradientSync, grads: Any) -> Any:
         return jax.tree.map(reduce, grads, sync.grad_specs)
 
 
-def accumulated_gradients(sync: GradientSync, loss_fn: Callable, params: Any, batch: dict):
+def accumulated_gradients(sync: GradientSync, loss_fn: Callable, params: Any, batch: dict,
+                          frozen: Any = None):
     """(reduced fp32 gradient sums, loss sum, sums) over the [accum, B, L] batch.
 
-    `params`: the fp32 parameters laid out as stored; `loss_fn(params, micro_batch) ->
-    (loss_sum, sums)` sees this device's rows and a tree of `Fetch` leaves (read through
-    models/params.py, with `FsdpHook` installed here), under no activation constraint naming
+    `params`: the fp32 parameters laid out as stored (LoRA: the adapters, and `frozen` the base
+    laid out as `sync.frozen_specs` say); `loss_fn(params, micro_batch) -> (loss_sum, sums)`
+    sees this device's rows and a tree of `Fetch` leaves (read through models/params.py, with
+    `FsdpHook` installed here), the base's merged in, under no activation constraint naming
     fsdp. `sums` is a dict of scalars that add up over micro-batches and devices; its
     "tokens" entry is what the caller divides by (the train step's token count).
     """
     spec_of = lambda specs: jax.tree.map(_manual_only, specs, is_leaf=lambda x: isinstance(x, P))  # noqa: E731
     batch_spec = P(None, FSDP)  # every stage of a pipeline sees its fsdp shard's rows
+    frozen_spec = None if frozen is None else spec_of(sync.frozen_specs)
     return jax.shard_map(
         functools.partial(_device_gradients, sync, loss_fn, params),
         mesh=sync.mesh, axis_names=sync.manual_axes, check_vma=False,
-        in_specs=(spec_of(sync.param_specs), jax.tree.map(lambda _: batch_spec, batch)),
+        in_specs=(spec_of(sync.param_specs), frozen_spec,
+                  jax.tree.map(lambda _: batch_spec, batch)),
         out_specs=(spec_of(sync.grad_specs), P(), P()),
-    )(params, batch)
+    )(params, frozen, batch)
 
 
 def _device_gradients(sync: GradientSync, loss_fn: Callable, params: Any, local_params: Any,
-                      batch: dict):
+                      local_frozen: Any, batch: dict):
     """One device's part of `accumulated_gradients`: its blocks of the parameters, its rows."""
     K, rounds, per_layer = sync.sync_every, sync.reductions_per_step, sync.reduces_per_layer
-    micro_grads = _micro_gradients(sync, loss_fn, params, local_params)
+    micro_grads = _micro_gradients(sync, loss_fn, params, local_params, local_frozen)
     sums_zero = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32),
                              jax.eval_shape(micro_grads, _first(batch))[2])
 
@@ -258,18 +269,21 @@ def _device_gradients(sync: GradientSync, loss_fn: Callable, params: Any, local_
     return grads, jax.lax.psum(loss, axes), jax.lax.psum(sums, axes)
 
 
-def _micro_gradients(sync: GradientSync, loss_fn: Callable, params: Any,
-                     local_params: Any) -> Callable:
+def _micro_gradients(sync: GradientSync, loss_fn: Callable, params: Any, local_params: Any,
+                     local_frozen: Any) -> Callable:
     """micro-batch → (fp32 gradients, loss sum, sums) on this device, reduced or local as
     `sync` says: the loss differentiated with respect to stand-ins for the gradients."""
     hows = _hows(sync, params)
     per_layer = sync.reduces_per_layer
     # Stand-ins for the gradients (see `Fetch`), from the global shapes: blocks are local.
     targets = _gradient_zeros(sync, params, per_layer, _local_dtype(sync, per_layer))
+    frozen = None if local_frozen is None else _frozen_fetches(sync, local_frozen)
 
     def micro_grads(micro_batch):
         def loss_of(targets):
             tree = jax.tree.map(Fetch, local_params, targets, hows)
+            if frozen is not None:
+                tree = merged(tree, frozen)
             with model_params.hooked(FsdpHook()):
                 return loss_fn(tree, micro_batch)
 
@@ -277,6 +291,23 @@ def _micro_gradients(sync: GradientSync, loss_fn: Callable, params: Any,
         return jax.tree.map(lambda g: g.astype(jnp.float32), grads), loss, sums
 
     return micro_grads
+
+
+def _frozen_fetches(sync: GradientSync, local_frozen: Any) -> Any:
+    """`Fetch` leaves of the frozen base: gathered like parameters, in their stored dtype (a
+    quantized base's codes stay codes), never differentiated (their `target` is themselves: the
+    loss is not differentiated with respect to it, so their backward half never runs)."""
+    def fetch(stacked, specs, leaves):
+        def one(leaf, spec):
+            shift = 1 if stacked else 0
+            gather = _fsdp_axis(spec)
+            how = How(None if gather is None else gather - shift, None, _fsdp_group(spec), (),
+                      _without_fsdp(spec, shift), False, False, leaf.dtype, sync.reduce_dtype,
+                      leaf.dtype)
+            return Fetch(leaf, leaf, how)
+        return jax.tree.map(one, leaves, specs, is_leaf=lambda x: isinstance(x, P))
+
+    return jax.tree.map(fetch, sync.frozen_stacked, sync.frozen_specs, local_frozen)
 
 
 def local_gradient_bytes(sync: GradientSync, params: Any, dtype: jnp.dtype) -> int:

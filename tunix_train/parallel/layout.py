@@ -4,25 +4,83 @@
 from the one rules table (sharding.py) each parameter's sharding as stored and its gradient's
 sharding at the run's ZeRO stage: what inference needs to place weights, and the base of the
 train state's layout (training/state.py). Parameters are then created directly in their shards:
-`initial_params` reads `model.init_from` or initialises at random, so a model larger than one
+`initial` reads `model.init_from` or initialises at random, so a model larger than one
 device's memory never exists whole.
+
+With LoRA (`lora.rank` > 0) the trainable parameters are the adapters alone (models/lora.py):
+`abstract`, `shardings` and the gradient and moment layouts describe them, and `frozen`
+describes the rest, the base: stored in the compute dtype (bf16 under mixed precision, no fp32
+master copy), or quantized (`lora.base_quantization`, models/quantization.py), sharded by the
+same rules (over fsdp at ZeRO-3), never given a gradient or an optimizer state. The model sees
+the two merged (`merge`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import math
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tunix_train.config import ModelConfig
-from tunix_train.models import families, hf_weights
+from tunix_train import checkpoint
+from tunix_train.config import LoraConfig, ModelConfig
+from tunix_train.models import families, hf_weights, lora as lora_lib, quantization
 from tunix_train.models.family import LAYERS, TRAILING
 from tunix_train.models.layers import logical_axes
 from tunix_train.parallel import sharding
+
+log = logging.getLogger("tunix_train")
+
+
+@dataclass(frozen=True)
+class Frozen:
+    """LoRA's base: every parameter that is not an adapter."""
+
+    abstract: Any  # ShapeDtypeStruct per parameter, or a qwix QArray of them (quantized)
+    shardings: Any  # NamedSharding per leaf, the same structure
+    stacked: Any  # bool per parameter (as ParamLayout.stacked)
+    quantization: str  # lora.base_quantization
+
+    @classmethod
+    def create(cls, abstract: Any, shardings: Any, stacked: Any, dtype: jnp.dtype,
+               quantized: str) -> Frozen:
+        cast = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype), abstract)
+        if quantized == "none":
+            return cls(cast, shardings, stacked, quantized)
+        qtype = quantization.qtype(quantized)
+
+        def quantize(path, a, s, is_stacked):
+            if not quantization.is_quantized_weight(path):
+                return a, s
+            axis = quantization.tiled_axis(path, is_stacked)
+            q = jax.eval_shape(lambda w: quantization.quantize(w, qtype, axis, dtype), a)
+            return q, jax.tree.map(lambda leaf: _fitting(s, leaf.shape), q)
+
+        pairs = _map_with_path(quantize, cast, shardings, stacked)
+        return cls(_first_of(pairs), _second_of(pairs), stacked, quantized)
+
+    def cast(self, full_precision: Any) -> Any:
+        """Base parameters (fp32 or the compute dtype, laid out as stored) in this layout."""
+        if self.quantization == "none":
+            return jax.jit(lambda p: jax.tree.map(lambda x, a: x.astype(a.dtype), p,
+                                                  self.abstract),
+                           out_shardings=self.shardings, donate_argnums=0)(full_precision)
+        qtype = quantization.qtype(self.quantization)
+
+        def store(params):
+            def one(path, w, a, is_stacked):
+                if not quantization.is_quantized_weight(path):
+                    return w.astype(a.dtype)
+                axis = quantization.tiled_axis(path, is_stacked)
+                return quantization.quantize(w, qtype, axis, a.scale.dtype)
+            return _map_with_path(one, params, self.abstract, self.stacked)
+
+        return jax.jit(store, out_shardings=self.shardings, donate_argnums=0)(full_precision)
 
 
 @dataclass(frozen=True)
@@ -30,22 +88,27 @@ class ParamLayout:
     mesh: Mesh
     rules: sharding.StageRules
     model: ModelConfig
-    graphdef: nnx.GraphDef
-    abstract: Any  # ShapeDtypeStruct per parameter (a plain nested dict)
-    shardings: Any  # NamedSharding per parameter, as stored
-    grad_shardings: Any  # NamedSharding per parameter's reduced gradient
+    graphdef: nnx.GraphDef  # of the whole model (adapters included)
+    abstract: Any  # ShapeDtypeStruct per trainable parameter (a plain nested dict)
+    shardings: Any  # NamedSharding per trainable parameter, as stored
+    grad_shardings: Any  # NamedSharding per trainable parameter's reduced gradient
     moment_shardings: Any  # NamedSharding of a parameter-shaped optimizer moment
-    stacked: Any  # bool per parameter: a scanned layer stack (leading axis "layers" or
-    # "trailing_layers")
+    stacked: Any  # bool per trainable parameter: a scanned layer stack (leading axis "layers"
+    # or "trailing_layers")
     compute_dtype: jnp.dtype  # what the fp32 parameters are cast to for compute
+    frozen: Frozen | None = None  # LoRA's base; None: every parameter trains
+    full_abstract: Any = None  # every parameter in fp32 (what init and import produce)
+    full_shardings: Any = None
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     @classmethod
     def create(cls, model: ModelConfig, mesh: Mesh, zero_stage: int, remat: str = "none",
-               mixed_precision: str = "auto", pipeline_repeats: int = 1) -> ParamLayout:
+               mixed_precision: str = "auto", pipeline_repeats: int = 1,
+               lora: LoraConfig = LoraConfig()) -> ParamLayout:
         families.of(model).check(model)
         rules = sharding.stage_rules(model, mesh, zero_stage, pipeline_repeats)
         graphdef, variables = nnx.split(nnx.eval_shape(
-            lambda: families.build(model, nnx.Rngs(0), remat)))
+            lambda: families.build(model, nnx.Rngs(0), remat, lora)))
 
         abstract = nnx.to_pure_dict(variables)
 
@@ -56,18 +119,89 @@ class ParamLayout:
         stacked = nnx.to_pure_dict(nnx.map_state(
             lambda _, v: v.replace(logical_axes(v)[0] in (LAYERS, TRAILING)),
             variables))
-        return cls(mesh, rules, model, graphdef, abstract,
-                   shardings(rules.params), shardings(rules.grads), shardings(rules.optimizer),
-                   stacked, compute_dtype(mixed_precision))
+        trees = (abstract, shardings(rules.params), shardings(rules.grads),
+                 shardings(rules.optimizer), stacked)
+        dtype = compute_dtype(mixed_precision)
+        if not lora.on:
+            return cls(mesh, rules, model, graphdef, *trees, dtype, None, trees[0], trees[1])
+        trainable = [select(t, lora_lib.is_adapter) for t in trees]
+        base = [select(t, lambda path: not lora_lib.is_adapter(path))
+                for t in (abstract, trees[1], stacked)]
+        frozen = Frozen.create(*base, dtype, lora.base_quantization)
+        return cls(mesh, rules, model, graphdef, *trainable, dtype, frozen, trees[0], trees[1],
+                   lora)
+
+    def initial(self, seed: int) -> tuple[Any, Any]:
+        """(trainable parameters, frozen base or None): `model.init_from`'s weights, else the
+        random initialisation of `seed`, each array created directly in its sharding. A LoRA
+        base is exactly what the model without adapters would start from."""
+        if self.frozen is None:
+            return self._init(self.full_abstract, self.full_shardings, seed, LoraConfig()), None
+        return self.initial_adapters(seed), self.base(seed)
 
     def initial_params(self, seed: int) -> Any:
-        """`model.init_from`'s weights, else the random initialisation of `seed`; each array
-        created directly in its sharding."""
+        """The trainable parameters of `initial` (every parameter without LoRA)."""
+        return self.initial(seed)[0]
+
+    def initial_adapters(self, seed: int) -> Any:
+        """LoRA's adapters at initialisation (A random from `seed`, B zero), nothing else made."""
+        return jax.jit(lambda: select(nnx.to_pure_dict(nnx.state(families.build(
+            self.model, nnx.Rngs(seed), lora=self.lora))), lora_lib.is_adapter),
+            out_shardings=self.shardings)()
+
+    def base(self, seed: int, init_params_from: str | None = None) -> Any:
+        """LoRA's frozen base, from its source: `checkpoint.init_params_from` (a run's
+        parameters; a LoRA run's with its adapters folded in), else `model.init_from`, else the
+        random initialisation of `seed`."""
+        abstract, shardings = self.base_abstract(), self.base_shardings()
+        if not init_params_from:
+            return self.frozen.cast(self._init(abstract, shardings, seed, LoraConfig()))
+        log.info("LoRA base from %s (its parameters, frozen)", init_params_from)
+        return self.frozen.cast(self.run_params(init_params_from))
+
+    def run_params(self, run_dir: str, config: dict | None = None) -> Any:
+        """A run's whole model in fp32 (no adapters): its parameters, or, of a LoRA run, its
+        base with its adapters folded in (W + A·B·alpha/rank, models/lora.py). `config`: this
+        run's, to name what differs when the parameters do not fit (checkpoint.load_params)."""
+        saved = checkpoint.saved_config(run_dir)
+        trained = LoraConfig(**saved.get("lora", {}))
+        abstract, shardings = self.base_abstract(), self.base_shardings()
+        if not trained.on:
+            return checkpoint.load_params(run_dir, abstract, shardings, config)
+        theirs = ParamLayout.create(self.model, self.mesh, 3, lora=trained,
+                                    mixed_precision="fp32")
+        adapters = checkpoint.load_params(run_dir, theirs.abstract, theirs.shardings, config)
+        base = theirs.base(saved["training"]["seed"], saved["checkpoint"].get("init_params_from"))
+        return jax.jit(lambda a, b: lora_lib.folded(quantization.dequantized(merged(a, b)), trained),
+                       out_shardings=shardings)(adapters, base)
+
+    def base_abstract(self) -> Any:
+        """The base's parameters in fp32, as a whole-model run saves them."""
+        return select(self.full_abstract, lambda path: not lora_lib.is_adapter(path))
+
+    def base_shardings(self) -> Any:
+        return select(self.full_shardings, lambda path: not lora_lib.is_adapter(path))
+
+    def _init(self, abstract: Any, shardings: Any, seed: int, lora: LoraConfig) -> Any:
         if self.model.init_from:
-            return hf_weights.load_init_from(self.model, self.abstract, self.shardings)
-        return jax.jit(lambda: nnx.to_pure_dict(nnx.state(families.build(self.model,
-                                                                          nnx.Rngs(seed)))),
-                       out_shardings=self.shardings)()
+            return hf_weights.load_init_from(self.model, abstract, shardings)
+        return jax.jit(lambda: nnx.to_pure_dict(nnx.state(families.build(
+            self.model, nnx.Rngs(seed), lora=lora))), out_shardings=shardings)()
+
+    def split(self, full: Any) -> tuple[Any, Any]:
+        """A whole parameter tree (fp32) → (trainable parameters, frozen base in its layout)."""
+        if self.frozen is None:
+            return full, None
+        trainable = select(full, lora_lib.is_adapter)
+        base = select(full, lambda path: not lora_lib.is_adapter(path))
+        return trainable, self.frozen.cast(base)
+
+    def merge(self, trainable: Any, frozen: Any) -> Any:
+        """The tree the model reads: trainable parameters and frozen base together."""
+        return trainable if frozen is None else merged(trainable, frozen)
+
+    def merged_shardings(self) -> Any:
+        return self.merge(self.shardings, None if self.frozen is None else self.frozen.shardings)
 
 
 def compute_dtype(mixed_precision: str) -> jnp.dtype:
@@ -76,3 +210,58 @@ def compute_dtype(mixed_precision: str) -> jnp.dtype:
     if mixed_precision == "auto":
         mixed_precision = "fp32" if jax.default_backend() == "cpu" else "bf16"
     return jnp.bfloat16 if mixed_precision == "bf16" else jnp.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameter trees are nested dicts; these split and join them by path.
+
+def select(tree: Any, keep: Callable[[tuple], bool], path: tuple = ()) -> Any:
+    """The leaves of nested dict `tree` whose path `keep` accepts (empty dicts dropped)."""
+    if not isinstance(tree, dict):
+        return tree if keep(path) else None
+    out = {}
+    for key, sub in tree.items():
+        kept = select(sub, keep, (*path, key))
+        if kept is not None and not (isinstance(kept, dict) and not kept):
+            out[key] = kept
+    return out
+
+
+def merged(a: Any, b: Any) -> Any:
+    """Two nested dicts with disjoint leaves, as one."""
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        raise ValueError("parameter trees overlap")
+    out = dict(b)
+    for key, sub in a.items():
+        out[key] = merged(sub, out[key]) if key in out else sub
+    return out
+
+
+def _map_with_path(fn: Callable, tree: Any, *rest: Any, path: tuple = ()) -> Any:
+    """fn(path, leaf, *leaves of `rest`) over the leaves of nested dict `tree`."""
+    if not isinstance(tree, dict):
+        return fn(path, tree, *rest)
+    return {k: _map_with_path(fn, v, *(r[k] for r in rest), path=(*path, k))
+            for k, v in tree.items()}
+
+
+def _first_of(pairs: Any) -> Any:
+    return pairs[0] if isinstance(pairs, tuple) else {k: _first_of(v) for k, v in pairs.items()}
+
+
+def _second_of(pairs: Any) -> Any:
+    return pairs[1] if isinstance(pairs, tuple) else {k: _second_of(v) for k, v in pairs.items()}
+
+
+def _fitting(weight: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
+    """The weight's sharding for an array of `shape` (a quantized weight's codes or scales):
+    a dimension its mesh axes do not divide (a scale's blocks) stays whole."""
+    mesh = weight.mesh
+
+    def ways(entry) -> int:
+        names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+        return math.prod(mesh.shape[n] for n in names)
+
+    spec = tuple(weight.spec) + (None,) * (len(shape) - len(weight.spec))
+    return NamedSharding(mesh, P(*(e if d % ways(e) == 0 else None for d, e in zip(shape, spec))),
+                         memory_kind=weight.memory_kind)

@@ -43,6 +43,7 @@ RULES: dict[str, str | None] = {
     "layers": PP,  # the blocks' layer stacks: each pipeline stage holds its own (pp meshes)
     "trailing_layers": None,
     "norm": None,
+    "lora_rank": None,  # a LoRA adapter's rank r: small, kept whole
     # Activations.
     "act_batch": FSDP,
     "act_seq": None,

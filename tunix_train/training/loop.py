@@ -101,7 +101,7 @@ class Loop:
                 self._save(state, step)
         if self._eval_due(step) and not stop:  # the grace period is for saving
             with watchdog.paused():
-                eval_loss = self.evaluate(state["params"])
+                eval_loss = self.evaluate(state)
             self.writer.scalars(step, {"loss": eval_loss}, group="eval")
             log.info("step %d | validation loss %.4f", step, eval_loss)
 

@@ -53,7 +53,7 @@ def run(cfg: Config, run_dir: Path, hooks: StepHooks = StepHooks()) -> dict[str,
     try:
         with writer.console():
             loop = _loop(setup, train_step, data.train, evaluate, writer, checkpoints, hooks,
-                         first_step)
+                         first_step, setup.saved_config(state.get(state_lib.FROZEN)))
             state, summary = loop.run(state, first_step)
             with finishing(summary["final_step"]):
                 if not summary["preempted"]:  # the grace period is for saving, not evaluating
@@ -87,9 +87,10 @@ def _compiled_train_step(setup: Setup, writer: MetricsWriter, run_dir: Path) -> 
     """Compiled ahead of time, so memory and communication are known before the first step."""
     compiled = setup.compile_train_step()
     report_startup_costs(setup, compiled, writer, run_dir)
+    step = setup.runnable(compiled)
     if setup.cfg.training.profile_communication:
-        return profiling.traced(compiled, run_dir / "tensorboard", setup.cfg.training.steps)
-    return compiled
+        return profiling.traced(step, run_dir / "tensorboard", setup.cfg.training.steps)
+    return step
 
 
 def report_startup_costs(setup: Setup, compiled, writer: MetricsWriter, run_dir: Path) -> None:
@@ -104,27 +105,33 @@ def report_startup_costs(setup: Setup, compiled, writer: MetricsWriter, run_dir:
 
 
 def _loop(setup: Setup, train_step, data, evaluate, writer, checkpoints, hooks: StepHooks,
-          first_step: int) -> Loop:
+          first_step: int, saved_config: dict) -> Loop:
     cfg = setup.cfg
     mfu_factor = flops.mfu_per_token_per_s(cfg.model, cfg.data.seq_len, cfg.logging,
                                            jax.devices())
     return Loop(train_step, data, evaluate, writer, checkpoints, hooks, cfg.training,
                 cfg.logging, cfg.distributed.step_timeout_s,
-                Throughput(first_step, setup.tokens_per_step, mfu_factor),
-                config_lib.to_dict(cfg))
+                Throughput(first_step, setup.tokens_per_step, mfu_factor), saved_config)
 
 
 def _initial_evaluation(state, evaluate, writer: MetricsWriter) -> None:
     """The reference for "did it learn": the same validation batches before any update."""
-    initial = evaluate(state["params"])
+    initial = evaluate(state)
     writer.scalars(0, {"loss": initial}, group="eval")
     log.info("validation loss before training %.4f", initial)
 
 
 def _final_evaluation(state, summary: dict, evaluate, writer: MetricsWriter) -> None:
-    summary["eval_loss"] = evaluate(state["params"])
+    summary["eval_loss"] = evaluate(state)
     writer.scalars(summary["final_step"], {"loss": summary["eval_loss"]}, group="eval")
     log.info("final validation loss %.4f (step %d)", summary["eval_loss"], summary["final_step"])
+
+
+def _base_storage(cfg, setup: Setup) -> str:
+    if cfg.lora.base_quantization != "none":
+        return f"{cfg.lora.base_quantization} (blocks of 64, projections; the rest " \
+               f"{jnp.dtype(setup.options.compute_dtype).name})"
+    return jnp.dtype(setup.options.compute_dtype).name
 
 
 def log_startup(setup: Setup, state, writer: MetricsWriter) -> None:
@@ -147,6 +154,15 @@ def log_startup(setup: Setup, state, writer: MetricsWriter) -> None:
         f"precision: compute {jnp.dtype(setup.options.compute_dtype).name}, "
         f"master weights and optimizer state float32; zero_stage {cfg.training.zero_stage}",
     ]
+    if cfg.lora.on:
+        frozen = state_lib.param_bytes(state[state_lib.FROZEN])
+        base = sum(x.size for x in jax.tree.leaves(setup.params.base_abstract()))
+        lines.append(
+            f"LoRA: rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g} on "
+            f"{', '.join(cfg.lora.target_names())}: {count:,} trainable parameters "
+            f"({100 * count / base:.2f}% of the base's {base:,}); frozen base "
+            f"{_base_storage(cfg, setup)} {frozen[0] / 1e6:.1f} MB, per device "
+            f"{frozen[1] / 1e6:.1f} MB")
     pipeline = stages.describe(setup.options.pipeline, cfg.model, b.rows // fsdp)
     if pipeline:
         lines.append(stages.line(pipeline))

@@ -28,14 +28,14 @@ from tunix_train.analysis import costs
 from tunix_train.config import Config, ConfigError, TrainingConfig
 from tunix_train.data import pipeline
 from tunix_train.data.pipeline import BatchShape
-from tunix_train.models import families
+from tunix_train.models import families, quantization
 from tunix_train.models.head import VocabChunks
 from tunix_train.parallel import fsdp, sharding
 from tunix_train.parallel import stages
 from tunix_train.parallel import mesh as mesh_lib
 from tunix_train.parallel.layout import ParamLayout
 from tunix_train.training import optim
-from tunix_train.training.state import HOST, StateLayout, TrainState
+from tunix_train.training.state import FROZEN, HOST, StateLayout, TrainState
 from tunix_train.training.train_step import (LossFn, StepOptions, jit_eval_step, jit_train_step,
                                              loss_sums)
 
@@ -62,7 +62,7 @@ class Setup:
         stages.check_layers(cfg.model, shape.pp, t.pipeline_repeats)
         mesh = mesh_lib.create_mesh(shape, devices, processes_per_node)
         params = ParamLayout.create(cfg.model, mesh, t.zero_stage, t.remat, t.mixed_precision,
-                                    t.pipeline_repeats)
+                                    t.pipeline_repeats, cfg.lora)
         updates = config_lib.optimizer_steps(cfg)
         optimizer = optim.adamw(cfg.optimizer, updates)
         batch = batch_shape(cfg.training, cfg.data.seq_len, shape.fsdp)
@@ -96,6 +96,17 @@ class Setup:
         return self.train_step(loss_fn).lower(self.state.with_shardings(),
                                               self.abstract_batch(extra)).compile()
 
+    def runnable(self, compiled: jax.stages.Compiled, loss_fn: LossFn = loss_sums) -> Callable:
+        """What the loop calls: `compiled`, except on the CPU with a 4-bit base (QLoRA's nf4).
+        There XLA's client creates 4-bit arrays unpacked, while an executable compiled ahead
+        of time asks for them packed and refuses them (jax 0.10); the jitted step, compiled
+        again from the same function on its first call, takes them."""
+        four_bit = any(quantization.itemsize(leaf.dtype) < 1
+                       for leaf in jax.tree.leaves(self.state.abstract.get(FROZEN, {})))
+        if four_bit and jax.default_backend() == "cpu":
+            return self.train_step(loss_fn)
+        return compiled
+
     def abstract_batch(self, extra: dict[str, jnp.dtype] | None = None
                        ) -> dict[str, jax.ShapeDtypeStruct]:
         """The shapes of one global batch (data/pipeline.py's GlobalBatches yields the same)."""
@@ -114,11 +125,12 @@ class Setup:
                                "weights": np.ones(tokens[..., 1:].shape, np.float32)},
                               self.batch_sharding)
 
-    def evaluator(self, batches: list[pipeline.Batch]) -> Callable[[Any], float]:
-        """params → mean loss per token over the given (held-out) batches."""
+    def evaluator(self, batches: list[pipeline.Batch]) -> Callable[[TrainState], float]:
+        """train state → mean loss per token over the given (held-out) batches."""
         eval_step = jit_eval_step(self.state, self.options, self.batch_sharding)
 
-        def evaluate(params) -> float:
+        def evaluate(state: TrainState) -> float:
+            params = self.state.model_params(state)
             sums = jax.device_get([eval_step(params, batch) for batch in batches])
             loss, tokens = (sum(float(pair[k]) for pair in sums) for k in (0, 1))
             return loss / max(tokens, 1.0)
@@ -132,38 +144,61 @@ class Setup:
 
     def fresh_state(self) -> TrainState:
         """Step 0: `model.init_from`'s weights or a random initialisation, a fresh optimizer."""
+        if self.params.frozen is not None:
+            return self.state.around(self.params.initial_adapters(self.cfg.training.seed),
+                                     self.optimizer, self.base())
         return self.state.around(self.params.initial_params(self.cfg.training.seed),
                                  self.optimizer)
 
     def initial_state(self, run_dir: Path, data: pipeline.GlobalBatches) -> TrainState:
         """A restarted run's own checkpoints > checkpoint.resume_from > init_params_from >
-        a fresh state. A restore also puts the data iterator where the checkpoint left it."""
+        a fresh state. A restore also puts the data iterator where the checkpoint left it.
+        With LoRA the base is rebuilt from its source first, and a checkpoint whose base was
+        another is refused by name."""
         cfg = self.cfg.checkpoint
         own = checkpoint.own_checkpoints(run_dir)
         if own and cfg.resume_from:
             log.warning("%s has checkpoints: continuing this run; checkpoint.resume_from is "
                         "ignored", run_dir)
+        frozen = self.base() if self.params.frozen is not None else None
         if own or cfg.resume_from:
-            restored = checkpoint.restore(own or cfg.resume_from, self.state.with_shardings(),
-                                          config_lib.to_dict(self.cfg),
+            restored = checkpoint.restore(own or cfg.resume_from, self.state.saved_target(),
+                                          self.saved_config(frozen),
                                           set_aside_in=run_dir if own else None)
             data.set_state(restored.data_state)
             log.info("resuming from step %d (%s)", restored.step, restored.path)
-            return restored.state
-        if cfg.init_params_from:
-            params = checkpoint.load_params(cfg.init_params_from, self.params.abstract,
-                                            self.params.shardings,
-                                            config_lib.to_dict(self.cfg))
+            return restored.state if frozen is None else {**restored.state, FROZEN: frozen}
+        if cfg.init_params_from and frozen is None:
+            params = self.params.run_params(cfg.init_params_from, config_lib.to_dict(self.cfg))
             log.info("parameters from %s; step and optimizer state start afresh",
                      cfg.init_params_from)
             return self.state.around(params, self.optimizer)
+        if frozen is not None:
+            return self.state.around(self.params.initial_adapters(self.cfg.training.seed),
+                                     self.optimizer, frozen)
         return self.fresh_state()
+
+    def base(self) -> Any:
+        """LoRA's frozen base, from its source (ParamLayout.base)."""
+        return self.params.base(self.cfg.training.seed, self.cfg.checkpoint.init_params_from)
+
+    def saved_config(self, frozen: Any = None) -> dict:
+        """The config a checkpoint records; with LoRA, also which base its adapters adapt
+        (its source and a fingerprint of its values), which a restore must find again."""
+        saved = config_lib.to_dict(self.cfg)
+        if frozen is not None:
+            c = self.cfg
+            source = c.checkpoint.init_params_from or c.model.init_from or \
+                f"random (training.seed={c.training.seed})"
+            saved[checkpoint.LORA_BASE] = {"source": source, "fingerprint": fingerprint(frozen)}
+        return saved
 
     def analyse(self, compiled: jax.stages.Compiled) -> costs.StepCosts:
         """What the compiled step costs per device: memory, FLOPs, communication."""
         shardings, abstract = self.state.shardings, self.state.abstract
         model_state = {
             "params": costs.sharded_bytes(abstract["params"], shardings["params"]),
+            "frozen": costs.sharded_bytes(abstract.get(FROZEN, {}), shardings.get(FROZEN, {})),
             "grads": costs.sharded_bytes(abstract["params"], self.params.grad_shardings,
                                          jnp.float32),
             "optimizer": costs.sharded_bytes(abstract["opt_state"], shardings["opt_state"]),
@@ -174,6 +209,14 @@ class Setup:
         split = None if plan is None else stages.Stages.of(
             families.layout(self.cfg.model), plan.stages, plan.repeats)
         return costs.analyse(compiled, self.options.sync, abstract["params"], model_state, split)
+
+
+def fingerprint(frozen: Any) -> str:
+    """A short digest of a base's values: the sum of their magnitudes, to 6 digits (summed in
+    another order on another mesh, it reads the same)."""
+    total = jax.jit(lambda tree: sum(jnp.sum(jnp.abs(x.astype(jnp.float32)))
+                                     for x in jax.tree.leaves(tree)))(frozen)
+    return f"{float(total):.6g}"
 
 
 def _check_host_memory(devices: list[jax.Device]) -> None:
@@ -188,11 +231,14 @@ def step_options(cfg: Config, params: ParamLayout, batch: BatchShape) -> StepOpt
     """The train step's static choices: dtypes, the gradient sync, the head's vocabulary chunks."""
     dtype = params.compute_dtype
     specs = lambda shardings: jax.tree.map(lambda s: s.spec, shardings)  # noqa: E731
+    frozen = params.frozen
     sync = fsdp.GradientSync(
         mesh=params.mesh, param_specs=specs(params.shardings),
         grad_specs=specs(params.grad_shardings), stacked=params.stacked,
         accumulation_steps=batch.accum, sync_every=cfg.training.sync_gradients_every,
         compute_dtype=dtype, reduce_dtype=reduce_dtype(cfg.training.grad_reduce_dtype, dtype),
+        frozen_specs=None if frozen is None else specs(frozen.shardings),
+        frozen_stacked=None if frozen is None else frozen.stacked,
     )
     shards = sharding.vocab_shards(params.rules.params, params.mesh)
     chunks = VocabChunks(sharding.vocab_chunks(cfg.model.vocab_size, shards,
@@ -201,8 +247,10 @@ def step_options(cfg: Config, params: ParamLayout, batch: BatchShape) -> StepOpt
     plan = None if pp == 1 else stages.schedule(pp, batch.rows // sync.fsdp,
                                                 cfg.training.pipeline_microbatches,
                                                 cfg.training.pipeline_repeats)
+    lora = cfg.lora
     return StepOptions(compute_dtype=dtype, sync=sync, mesh=params.mesh,
-                       rules=params.rules.params, vocab_chunks=chunks, pipeline=plan)
+                       rules=params.rules.params, vocab_chunks=chunks, pipeline=plan,
+                       dropout_seed=cfg.training.seed if lora.on and lora.dropout else None)
 
 
 def batch_shape(training: TrainingConfig, seq_len: int, fsdp_size: int) -> BatchShape:

@@ -1,7 +1,10 @@
 """The train state `{"step", "params", "opt_state"}`, laid out before any array exists.
 
 The state is a plain dict so that checkpoints read as plain trees: `{"step": int32[],
-"params": {...}, "opt_state": optax state}`. Its layout extends the parameters' (ParamLayout):
+"params": {...}, "opt_state": optax state}`. With LoRA, `params` are the adapters and the
+state also holds `"frozen"`, the base (parallel/layout.py), which checkpoints leave out: it
+comes from its source (`model.init_from`, `checkpoint.init_params_from` or the seed) at every
+start. Its layout extends the parameters' (ParamLayout):
 optimizer moments are sharded like their parameter at ZeRO stage 1 and up, scalars replicated.
 With `training.offload_optimizer` (ZeRO-Offload) the moments live in pinned host memory, each
 device's shard in its own host's: the train step brings them to the device for the update and
@@ -18,11 +21,13 @@ import jax.numpy as jnp
 import optax
 
 from tunix_train import checkpoint
+from tunix_train.models import quantization
 from tunix_train.parallel.layout import ParamLayout
 from tunix_train.parallel.sharding import optimizer_shardings, replicated
 
 TrainState = dict[str, Any]
 HOST, DEVICE = "pinned_host", "device"  # JAX memory kinds
+FROZEN = checkpoint.NOT_SAVED[0]  # the train state's LoRA base
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,8 @@ class StateLayout:
             "params": params.shardings,
             "opt_state": optimizer_shardings(optimizer, opt_state, moments, params.mesh),
         }
+        if params.frozen is not None:
+            abstract[FROZEN], shardings[FROZEN] = params.frozen.abstract, params.frozen.shardings
         return cls(params, abstract, shardings)
 
     @property
@@ -67,26 +74,38 @@ class StateLayout:
             else opt_state
 
     def with_shardings(self) -> TrainState:
-        """The abstract state carrying its shardings (a restore or compile target)."""
+        """The abstract state carrying its shardings (a compile target)."""
         return checkpoint.with_shardings(self.abstract, self.shardings)
 
-    def around(self, params: Any, optimizer: optax.GradientTransformation) -> TrainState:
-        """A state at step 0 around `params`, with a fresh optimizer state."""
+    def saved_target(self) -> TrainState:
+        """What a checkpoint of this state holds, abstract with shardings (a restore target)."""
+        return checkpoint.saved_part(self.with_shardings())
+
+    def around(self, params: Any, optimizer: optax.GradientTransformation,
+               frozen: Any = None) -> TrainState:
+        """A state at step 0 around `params` (and LoRA's `frozen` base), with a fresh optimizer
+        state."""
 
         def make(params) -> TrainState:
             return {"step": jnp.zeros((), jnp.int32), "params": params,
                     "opt_state": optimizer.init(params)}
 
         # Donated: the parameters move into the state instead of being copied.
-        return jax.jit(make, out_shardings=self.shardings, donate_argnums=0)(params)
+        state = jax.jit(make, out_shardings=checkpoint.saved_part(self.shardings),
+                        donate_argnums=0)(params)
+        return state if frozen is None else {**state, FROZEN: frozen}
+
+    def model_params(self, state: TrainState) -> Any:
+        """The parameter tree the model reads: the trainable parameters and LoRA's base."""
+        return self.params.merge(state["params"], state.get(FROZEN))
 
 
 def param_bytes(params: Any) -> tuple[int, int]:
     """(total bytes, bytes held by the most loaded device) of a sharded parameter tree."""
     total, per_device = 0, {}
     for leaf in jax.tree.leaves(params):
-        total += leaf.size * leaf.dtype.itemsize
+        total += leaf.size * quantization.itemsize(leaf.dtype)
         for shard in leaf.addressable_shards:
-            nbytes = shard.data.size * shard.data.dtype.itemsize
+            nbytes = shard.data.size * quantization.itemsize(leaf.dtype)
             per_device[shard.device] = per_device.get(shard.device, 0) + nbytes
     return total, max(per_device.values(), default=0)

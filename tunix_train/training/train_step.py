@@ -18,11 +18,12 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from tunix_train.models import lora, quantization
 from tunix_train.models.head import VocabChunks
 from tunix_train.parallel import fsdp, pipeline, stages
 from tunix_train.parallel.sharding import LogicalRules, activate, per_shard_rules
 from tunix_train.training.optim import skipped_updates
-from tunix_train.training.state import StateLayout, TrainState
+from tunix_train.training.state import FROZEN, StateLayout, TrainState
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
@@ -36,10 +37,7 @@ class StepOptions:
     rules: LogicalRules  # logical → mesh axes for the model's activation constraints
     vocab_chunks: VocabChunks  # how the fused output head + loss cuts the vocabulary
     pipeline: stages.Schedule | None = None  # with a pp axis: the pipeline schedule
-
-
-def _cast(tree: Any, dtype: jnp.dtype) -> Any:
-    return jax.tree.map(lambda x: x.astype(dtype) if x.dtype != dtype else x, tree)
+    dropout_seed: int | None = None  # LoRA dropout's seed (training.seed); None = no dropout
 
 
 def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: Batch,
@@ -59,6 +57,23 @@ def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: Batch,
 LossFn = Callable[..., tuple[jax.Array, dict]]
 
 
+def with_dropout(micro_loss: Callable, seed: int | None) -> Callable:
+    """`micro_loss` with LoRA's dropout on: its key comes from the seed and the micro-batch's own
+    tokens, so it differs from micro-batch to micro-batch and device to device, and a resumed
+    run draws the masks the uninterrupted one drew."""
+    if seed is None:
+        return micro_loss
+
+    def dropped(params, micro_batch):
+        inputs = micro_batch["inputs"].astype(jnp.uint32)
+        digest = jnp.sum(inputs * (jnp.arange(inputs.size, dtype=jnp.uint32).reshape(
+            inputs.shape) % 65_521 + 1))
+        with lora.dropout_key(jax.random.fold_in(jax.random.key(seed), digest)):
+            return micro_loss(params, micro_batch)
+
+    return dropped
+
+
 def train_step_fn(layout: StateLayout, optimizer: optax.GradientTransformation,
                   schedule: optax.Schedule, options: StepOptions,
                   loss_fn: LossFn = loss_sums) -> Callable:
@@ -70,13 +85,14 @@ def train_step_fn(layout: StateLayout, optimizer: optax.GradientTransformation,
         micro_loss_fn = partial(pipeline.loss_sums, plan=options.pipeline)
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        micro_loss = partial(micro_loss_fn, layout.params.graphdef,
-                             vocab_chunks=options.vocab_chunks)
+        micro_loss = with_dropout(partial(micro_loss_fn, layout.params.graphdef,
+                                          vocab_chunks=options.vocab_chunks),
+                                  options.dropout_seed)
         # Inside the shard_map over fsdp each device sees its own rows: no fsdp constraint.
         # Parameters go in as fp32 shards: each is cast where it is gathered (parallel/fsdp.py).
         with activate(options.mesh, per_shard_rules(options.rules)):  # in effect while jit traces
-            grads, loss_sum, sums = fsdp.accumulated_gradients(options.sync, micro_loss,
-                                                               state["params"], batch)
+            grads, loss_sum, sums = fsdp.accumulated_gradients(
+                options.sync, micro_loss, state["params"], batch, state.get(FROZEN))
         tokens = sums.pop("tokens")
         # A non-finite loss makes every gradient NaN here (in the division that happens anyway),
         # so the optimizer's finiteness guard skips the update even if the gradients were finite.
@@ -85,6 +101,7 @@ def train_step_fn(layout: StateLayout, optimizer: optax.GradientTransformation,
         opt_state = layout.on_device(state["opt_state"])  # offloaded: host → device
         updates, opt_state = optimizer.update(grads, opt_state, state["params"])
         new_state = {
+            **state,  # LoRA's frozen base passes through (donated: no copy)
             "step": state["step"] + 1,
             "params": optax.apply_updates(state["params"], updates),
             "opt_state": layout.to_home(opt_state),
@@ -117,8 +134,9 @@ def jit_eval_step(layout: StateLayout, options: StepOptions, batch_sharding: Nam
     def evaluate(params, batch: Batch) -> tuple[jax.Array, jax.Array]:
         single = jax.tree.map(lambda x: x[0], batch)
         with activate(options.mesh, options.rules):
-            loss, sums = loss_sums(layout.params.graphdef, _cast(params, options.compute_dtype),
+            loss, sums = loss_sums(layout.params.graphdef,
+                                   quantization.cast(params, options.compute_dtype),
                                    single, options.vocab_chunks)
             return loss, sums["tokens"]
 
-    return jax.jit(evaluate, in_shardings=(layout.shardings["params"], batch_sharding))
+    return jax.jit(evaluate, in_shardings=(layout.params.merged_shardings(), batch_sharding))
