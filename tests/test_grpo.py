@@ -364,25 +364,31 @@ def test_two_processes_through_the_launcher(laptop):
     assert (run_dir / "checkpoints" / "2").is_dir()
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])  # Gemma 3: the laptop example above
-def test_sft_then_grpo_learn_the_sums_on_each_familys_tiny_model(family, sums, tmp_path):
+# Gemma 3: the laptop example above. Qwen 3 with LoRA: SFT with adapters on the random model
+# learns too, and GRPO trains adapters on the (whole-model) SFT run, its reference the base
+# with the adapters off.
+@pytest.mark.parametrize("family,lora", [("llama3", False), ("qwen3", True)])
+def test_sft_then_grpo_learn_the_sums_on_each_familys_tiny_model(family, lora, sums, tmp_path):
     """docs/grpo.md's laptop recipe on another family: SFT's held-out loss falls far below the
     untrained model's, then GRPO's mean reward rises from its first dozen steps to its last."""
     from tunix_train.grpo import trainer as grpo_trainer
     from tunix_train.training import run as run_lib
 
     every = [*family_tiny(family), "model.mesh_shape=[[8,1],[fsdp,tp]]", "logging.every_steps=1"]
-    run_lib.run(compose_config(*every, "data=sft", f"data.path={sums / 'sums_sft.jsonl'}",
-                               "data.seq_len=32", "training.steps=30",
-                               "training.global_batch_size=8"), tmp_path / "sft")
-    held_out = list(metrics(tmp_path / "sft", "eval_loss").values())
-    assert held_out[-1] < 0.3 * held_out[0], held_out
+    adapters = ["lora.rank=16", "optimizer.lr=1e-2"] if lora else []
+    sft = [*every, "data=sft", f"data.path={sums / 'sums_sft.jsonl'}", "data.seq_len=32",
+           "training.steps=30", "training.global_batch_size=8"]
+    for run_dir, extra in [("sft", []), *([("sft-lora", adapters)] if lora else [])]:
+        run_lib.run(compose_config(*sft, *extra), tmp_path / run_dir)
+        held_out = list(metrics(tmp_path / run_dir, "eval_loss").values())
+        assert held_out[-1] < 0.3 * held_out[0], (run_dir, held_out)
     grpo_trainer.run(compose_config(
-        *every, "trainer=grpo", "data=prompts", f"data.path={sums / 'sums.jsonl'}",
+        *every, *adapters, "trainer=grpo", "data=prompts", f"data.path={sums / 'sums.jsonl'}",
         "data.seq_len=16", "grpo.max_new_tokens=4", "grpo.rewards=[answer]",
         "grpo.answer_pattern='^(\\d+)'", "training.global_batch_size=64",
         "grpo.num_generations=8", "training.steps=48",
         f"checkpoint.init_params_from={tmp_path / 'sft'}"), tmp_path / "grpo")
     rewards = np.array(list(metrics(tmp_path / "grpo", "reward_mean").values()))
     assert len(rewards) == 48
+    print(family, lora, "rewards", rewards[:12].mean(), rewards[-12:].mean())
     assert rewards[-12:].mean() > rewards[:12].mean() + 0.08, rewards

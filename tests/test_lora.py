@@ -15,7 +15,6 @@ import hf_reference
 from helpers import (FAMILIES, compiled_run, compose_config, family_tiny, mesh_arg, mesh_of,
                      train_losses)
 from tunix_train import cli
-from tunix_train import config as config_lib
 from tunix_train.checkpoint import Checkpoints
 from tunix_train.config import CheckpointConfig, ConfigError
 from tunix_train.parallel.layout import ParamLayout, merged
@@ -261,6 +260,11 @@ def test_peft_loads_the_exported_adapter_and_the_merged_export_agrees(family, tm
     scale = np.abs(theirs).max()
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5 * scale)
     np.testing.assert_allclose(hf_reference.logits(merged_model, tokens), theirs, rtol=0,
+                               atol=1e-5 * scale)
+    # A LoRA run as another run's starting point (checkpoint.init_params_from): folded alike.
+    plain = ParamLayout.create(cfg.model, layout.mesh, 3)
+    folded = nnx.merge(plain.graphdef, plain.run_params(str(tmp_path / "run")))
+    np.testing.assert_allclose(np.asarray(folded(jnp.asarray(tokens))), theirs, rtol=0,
                                atol=1e-5 * scale)
     with with_adapter.disable_adapter():  # the adapter is really there
         assert np.abs(hf_reference.logits(with_adapter, tokens) - theirs).max() > 1e-3 * scale
