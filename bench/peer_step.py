@@ -10,6 +10,7 @@ run:
     python bench/peer_step.py --mesh 4 2              # fsdp 4 x tp 2 on 8 virtual CPU devices
     python bench/peer_step.py --seq 2048              # long rows: blockwise attention
     python bench/peer_step.py --family llama3         # the Llama 3 shape (also with --mesh)
+    python bench/peer_step.py --family llama3 --lora 16   # LoRA rank 16 on every projection
 
 Shape: 4 layers, d 256, MLP 1,024, head dim 64, vocab 4,096, 8 x 256 tokens, fp32; Gemma 3 with
 4 heads / 1 KV head, Llama 3 with 4 heads / 2 KV heads (Tunix shards KV heads over tp), an
@@ -20,6 +21,11 @@ the same for ours with `model.unroll_layers=true`, and ours with the blockwise a
 ours with XLA's dense one (`model.attention_impl=blockwise` / `xla`; `auto` picks dense below
 512 tokens on CPU). `--seq 2048` trains 1 × 2,048-token rows (fsdp rows on a mesh). The
 floor's layer loop is a scan, as ours.
+
+`--lora R`: adapters of rank R (alpha 2R) on every attention and MLP projection, the base
+frozen: ours with `lora.rank=R`, Tunix's model through qwix's `LoraProvider` /
+`apply_lora_to_model` (as Tunix's CLI applies it; its PeftTrainer then trains the adapters
+alone). The floor and the variants are left out: the line compares ours with Tunix.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ def parse() -> argparse.Namespace:
                         help="tokens per sequence; 2,048 tokens per step (rows >= fsdp)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="steps per round")
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK",
+                        help="train LoRA adapters of this rank (ours and Tunix's)")
     return parser.parse_args()
 
 
@@ -67,7 +75,12 @@ FAMILY = (["model=llama3_tiny", "model.tie_embeddings=false", "model.global_rope
 SHAPE = [*FAMILY, f"model.num_layers={LAYERS}", f"model.embed_dim={D}", f"model.hidden_dim={F}",
          f"model.num_heads={N}", f"model.num_kv_heads={K}", f"model.head_dim={H}",
          f"model.vocab_size={V}", f"data.seq_len={SEQ}", "training.mixed_precision=fp32",
-         "optimizer.weight_decay=0.1"]
+         "optimizer.weight_decay=0.1",
+         *([f"lora.rank={ARGS.lora}", f"lora.alpha={2 * ARGS.lora}"] if ARGS.lora else [])]
+# Tunix's projections, by qwix's module-path pattern (its Gemma 3: einsums for attention).
+TUNIX_LORA_PATHS = (".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down_proj"
+                    if LLAMA else
+                    ".*q_einsum|.*kv_einsum|.*attn_vec_einsum|.*gate_proj|.*up_proj|.*down_proj")
 
 
 # ------------------------------------------------------------------------------------------
@@ -82,7 +95,7 @@ def ours(*overrides: str):
                                       *overrides]))
     data = setup.open_data()
     batch = next(data.train)
-    step, state = setup.compile_train_step(), [setup.fresh_state()]
+    step, state = setup.runnable(setup.compile_train_step()), [setup.fresh_state()]
 
     def run():
         state[0], metrics = step(state[0], batch)
@@ -221,6 +234,14 @@ def tunix():
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
     with jax.set_mesh(mesh):
         model = tunix_model(nnx)
+        if ARGS.lora:
+            import qwix
+
+            provider = qwix.LoraProvider(module_path=TUNIX_LORA_PATHS, rank=ARGS.lora,
+                                         alpha=2.0 * ARGS.lora)
+            model = qwix.apply_lora_to_model(model, provider, **model.get_model_input())
+            adapters = jax.tree.leaves(nnx.state(model, nnx.LoRAParam))
+            print(f"tunix: LoRA on {len(adapters) // 2} projection(s) of rank {ARGS.lora}")
         state = nnx.state(model)
         specs = nnx.get_partition_spec(state)
         nnx.update(model, jax.device_put(state, jax.tree.map(
@@ -254,9 +275,11 @@ def tunix():
 
 
 def main() -> None:
-    runs = {"ours": ours()[0], "ours_unrolled": ours("model.unroll_layers=true")[0],
-            "ours_blockwise": ours("model.attention_impl=blockwise")[0],
-            "ours_dense": ours("model.attention_impl=xla")[0], "floor": floor()}
+    runs = {"ours": ours()[0]}
+    if not ARGS.lora:
+        runs.update({"ours_unrolled": ours("model.unroll_layers=true")[0],
+                     "ours_blockwise": ours("model.attention_impl=blockwise")[0],
+                     "ours_dense": ours("model.attention_impl=xla")[0], "floor": floor()})
     peer = tunix()
     if peer is not None:
         runs["tunix"] = peer
@@ -269,15 +292,19 @@ def main() -> None:
     median = {name: statistics.median(t) for name, t in times.items()}
     for name, t in median.items():
         print(f"{name:18s} {t * 1e3:8.1f} ms/step")
-    result = {"family": ARGS.family, "mesh": ARGS.mesh, "devices": jax.device_count(),
-              "device_kind": jax.devices()[0].device_kind,
-              "step_s": {k: round(v, 5) for k, v in median.items()},
-              "ours_over_floor": round(median["ours"] / median["floor"], 3),
-              "ours_unrolled_over_floor": round(median["ours_unrolled"] / median["floor"], 3),
-              "blockwise_over_dense": round(median["ours_blockwise"] / median["ours_dense"], 3)}
+    result = {"family": ARGS.family, "mesh": ARGS.mesh, "lora_rank": ARGS.lora,
+              "devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind,
+              "step_s": {k: round(v, 5) for k, v in median.items()}}
+    if not ARGS.lora:
+        result.update({
+            "ours_over_floor": round(median["ours"] / median["floor"], 3),
+            "ours_unrolled_over_floor": round(median["ours_unrolled"] / median["floor"], 3),
+            "blockwise_over_dense": round(median["ours_blockwise"] / median["ours_dense"], 3)})
     if "tunix" in median:
         result["ours_over_tunix"] = round(median["ours"] / median["tunix"], 3)
-        result["ours_unrolled_over_tunix"] = round(median["ours_unrolled"] / median["tunix"], 3)
+        if not ARGS.lora:
+            result["ours_unrolled_over_tunix"] = round(median["ours_unrolled"] / median["tunix"],
+                                                       3)
     print(json.dumps(result))
 
 

@@ -6,6 +6,7 @@ models page exports and generates from, as the pages say.
 """
 
 import json
+import re
 import shutil
 
 import pytest
@@ -107,17 +108,25 @@ def test_models_page_export_and_generate_from_the_run_as_typed(trained):
     assert len(result["ids"]) == 64 and isinstance(result["text"], str)
 
 
+def hugging_face_folders(typed: Typed) -> None:
+    """checkpoints/gemma-3-1b-pt and checkpoints/Llama-3.2-1B as the models page has them (tiny
+    random models with the demo's BPE tokenizer, their vocabulary large enough for the page's
+    token ids), and the user's corpus.jsonl; made once."""
+    import hf_reference
+
+    for name, family in (("gemma-3-1b-pt", "gemma3"), ("Llama-3.2-1B", "llama3")):
+        folder = typed.root / "checkpoints" / name
+        if not (folder / "config.json").is_file():
+            hf_reference.build(folder, family=family, vocab_size=8192)
+            shutil.copy(typed.root / "demo_data" / "bpe" / "tokenizer.json", folder)
+    shutil.copy(typed.root / "demo_data" / "docs.jsonl", typed.root / "corpus.jsonl")
+
+
 def test_models_page_hugging_face_commands_as_typed(trained):
     """Hugging Face folders where the page puts them (a tiny random Gemma 3 and Llama 3 with
     the demo's BPE tokenizer, their vocabulary large enough for the page's token ids), and the
     user's corpus the Llama command names."""
-    hf_reference = pytest.importorskip("hf_reference")  # needs the test extra's torch
-
-    for name, family in (("gemma-3-1b-pt", "gemma3"), ("Llama-3.2-1B", "llama3")):
-        folder = trained.root / "checkpoints" / name
-        hf_reference.build(folder, family=family, vocab_size=8192)
-        shutil.copy(trained.root / "demo_data" / "bpe" / "tokenizer.json", folder)
-    shutil.copy(trained.root / "demo_data" / "docs.jsonl", trained.root / "corpus.jsonl")
+    hugging_face_folders(trained)
     gemma, llama, *generates = page_commands("docs/models.md", "hf:checkpoints/")
     for index, (command, model, mesh) in enumerate((
             (gemma, "gemma-3-1b-pt (Gemma 3: 7 layers", "fsdp=4 × tp=1"),
@@ -128,6 +137,37 @@ def test_models_page_hugging_face_commands_as_typed(trained):
     for command in generates:
         result = json.loads(last_printed(trained.run(command, "generate.max_new_tokens=4")))
         assert len(result["ids"]) == 4
+
+
+def test_lora_page_as_typed(trained):
+    """docs/lora.md: LoRA and QLoRA on the models page's Llama folder, both exports, generation,
+    the PEFT snippet on the exported adapter, and the planner's two commands."""
+    hugging_face_folders(trained)
+    lora, qlora = page_commands("docs/lora.md", "run_training.py")
+    for command, run_dir in ((lora, "outputs/llama-lora"), (qlora, "outputs/llama-qlora")):
+        output = ok(trained.run(command, "training.steps=2", "data.seq_len=32", *SMALL_BATCH))
+        assert f"finished step 2 of 2; run dir: {run_dir}" in output
+        assert "LoRA: rank 16, alpha 16 on q, k, v, o, gate, up, down" in output
+    assert "frozen base nf4" in output
+    adapter, merged, plan, plan_nf4 = (page_commands("docs/lora.md", "python -m tunix_train.")[i]
+                                       for i in (0, 1, 3, 4))
+    ok(trained.run(adapter))
+    ok(trained.run(merged))
+    assert (trained.root / "exported/llama-lora-adapter/adapter_model.safetensors").is_file()
+    assert json.loads((trained.root / "exported/llama-lora-merged/config.json").read_text())[
+        "architectures"] == ["LlamaForCausalLM"]
+    generate = page_commands("docs/lora.md", "tunix_train.generate")[0]
+    assert len(json.loads(last_printed(trained.run(generate, "generate.max_new_tokens=4")))[
+        "ids"]) == 4
+    [snippet] = python_blocks("docs/lora.md")
+    result = trained.run_python(snippet + "\nprint(type(model).__name__)\n")
+    assert last_printed(result) == "PeftModelForCausalLM"
+    frozen = {}
+    for name, command in (("bf16", plan), ("nf4", plan_nf4)):
+        output = ok(trained.run(command))
+        assert "verdict: fits" in output
+        frozen[name] = float(re.search(r"frozen base ([\d.]+) GB", output).group(1))
+    assert frozen["nf4"] < 0.4 * frozen["bf16"]
 
 
 # ------------------------------------------------------------------- the other runnable pages
