@@ -1,7 +1,7 @@
 """The package's import arrows run one way, read from the source of every module:
 
     entry points (cli, plan, generate, export, launch)
-      → grpo → training → inference → analysis → parallel → models, data, checkpoint → config
+      → grpo → training → inference → analysis → parallel → models, data, checkpoint → config, validation
 
 No cycles; the model package never imports the distribution layer (it names logical axes only);
 inference never imports the trainer; mesh axis names are spelled in the mesh module alone.
@@ -23,7 +23,7 @@ LAYERS = [  # top to bottom; a module may import its own layer's modules and tho
     {"tunix_train.analysis"},
     {"tunix_train.parallel"},
     {"tunix_train.models", "tunix_train.data", "tunix_train.checkpoint"},
-    {"tunix_train.config", "tunix_train.paths"},
+    {"tunix_train.config", "tunix_train.validation", "tunix_train.paths"},
 ]
 
 

@@ -22,6 +22,7 @@ from tunix_train import checkpoint
 from tunix_train.parallel import mesh as mesh_lib
 from tunix_train.training import optim
 from tunix_train import config as config_lib
+from tunix_train import validation
 from tunix_train.checkpoint import Checkpoints
 from tunix_train.config import CheckpointConfig, ConfigError
 from tunix_train.training.preemption import PreemptionSignal
@@ -248,7 +249,7 @@ def test_sigterm_is_a_stop_request_and_the_handlers_come_back():
 ])
 def test_checkpoint_keys_are_validated(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        config_lib.validate(compose_config(*overrides))
+        validation.validate(compose_config(*overrides))
 
 
 def test_a_step_dir_means_that_step_and_a_temporary_dir_is_refused(tmp_path):

@@ -6,6 +6,7 @@ from hydra.errors import ConfigCompositionException
 
 from helpers import compose_config
 from tunix_train import config as config_lib
+from tunix_train import validation
 from tunix_train.config import ConfigError
 from tunix_train.training.setup import batch_shape
 
@@ -46,7 +47,7 @@ def test_unknown_model_is_a_composition_error():
 ])
 def test_validation_names_the_key(override, match):
     with pytest.raises(ConfigError, match=match):
-        config_lib.validate(compose_config(override))
+        validation.validate(compose_config(override))
 
 
 def test_global_batch_must_divide_over_fsdp_and_accumulation():
@@ -85,7 +86,7 @@ def numeric_keys() -> list[tuple[str, str]]:
 
 
 def test_every_numeric_key_has_an_allowed_range():
-    missing = [f"{s}.{k}" for s, k in numeric_keys() if (s, k) not in config_lib._RANGES]
+    missing = [f"{s}.{k}" for s, k in numeric_keys() if (s, k) not in validation._RANGES]
     assert not missing, f"no range for {missing}"
 
 
@@ -101,7 +102,7 @@ def test_every_numeric_key_has_an_allowed_range():
 ])
 def test_a_value_out_of_range_is_one_sentence_with_key_value_and_range(override, expected):
     with pytest.raises(ConfigError) as error:
-        config_lib.validate(compose_config(override))
+        validation.validate(compose_config(override))
     assert str(error.value) == expected
 
 

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from helpers import REPO, TINY, compose_config, mesh_arg, run_cli
-from tunix_train import config as config_lib
+from tunix_train import validation
 from tunix_train.config import ConfigError
 from tunix_train.data import demo
 from tunix_train.models import families
@@ -282,7 +282,7 @@ def _bad_inputs(corpus, tmp):
 def test_data_keys_are_checked_before_anything_is_read(override, match):
     with pytest.raises(ConfigError, match=match):
         cfg = _cfg(*override.split())
-        config_lib.validate(cfg)
+        validation.validate(cfg)
         _build(cfg)
 
 

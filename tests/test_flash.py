@@ -15,7 +15,8 @@ from jax.sharding import AxisType
 from helpers import TINY, compose_config, family_tiny, mesh_arg
 from test_blockwise import (assert_bf16_as_close_as_dense, assert_equals_dense,
                             assert_train_step_equals_dense)
-from tunix_train.config import ConfigError, ModelConfig, validate
+from tunix_train.config import ConfigError, ModelConfig
+from tunix_train.validation import validate
 from tunix_train.models import attention as attention_lib
 from tunix_train.models import flash, gemma3
 from tunix_train.parallel import sharding

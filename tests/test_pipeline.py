@@ -8,7 +8,7 @@ import pytest
 
 from helpers import (PP_MESHES, TINY, assert_restores_onto, compiled_run, compose_config,
                      mesh_arg, mesh_of, train_losses)
-from tunix_train import config as config_lib
+from tunix_train import validation
 from tunix_train.config import ConfigError
 from tunix_train.models import families
 from tunix_train.parallel import stages
@@ -130,4 +130,4 @@ def test_grpo_with_pipeline_stages_is_refused_by_name():
     cfg = compose_config("trainer=grpo", "data=prompts", "data.path=x.jsonl",
                          mesh_of([[2, 4, 1], ["pp", "fsdp", "tp"]]))
     with pytest.raises(ConfigError, match="pipeline stages, which trainer=grpo does not"):
-        config_lib.validate(cfg)
+        validation.validate(cfg)

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from tunix_train import overrides as overrides_lib
 from tunix_train import paths
+from tunix_train import validation
 from tunix_train.checkpoint import StorageError
 from tunix_train.config import Config, ConfigError
 from tunix_train.parallel.rendezvous import PeersError
@@ -142,14 +143,13 @@ def run_training(cfg: DictConfig, run_dir: str, hooks=None) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     # After Hydra set up logging and the run dir:
-    from tunix_train import config as config_lib
     from tunix_train.grpo import trainer as grpo_trainer
     from tunix_train.training import run as default_trainer
 
     hydra = HydraConfig.get()
     with user_errors():
         config = typed(cfg, hydra.overrides.task, Path(hydra.runtime.cwd))
-        config_lib.validate(config)
+        validation.validate(config)
         nexts = NextCommands.of(hydra.overrides.task, Path(run_dir), Path(hydra.runtime.cwd))
         trainer = grpo_trainer if config.trainer.name == "grpo" else default_trainer
         summary = trainer.run(config, Path(run_dir), hooks or default_trainer.StepHooks())

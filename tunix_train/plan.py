@@ -28,9 +28,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from tunix_train import cli
-from tunix_train.parallel import mesh as mesh_lib
+from tunix_train import cli, validation
 from tunix_train.config import Config, ConfigError, register_configs
+from tunix_train.parallel import mesh as mesh_lib
 
 log = logging.getLogger("tunix_train")
 register_configs()
@@ -74,10 +74,9 @@ def ensure_cpu_devices(count: int, run_dir: str) -> None:
 
 def plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
     """Compiles the configuration's train step on the available (simulated) devices."""
-    from tunix_train import config as config_lib  # after the re-exec
     from tunix_train.training.setup import Setup
 
-    config_lib.validate(cfg)
+    validation.validate(cfg)
     _as_planned(cfg)
     setup = Setup.create(cfg)
     start = time.perf_counter()

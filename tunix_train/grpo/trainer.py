@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tunix_train import config as config_lib
+from tunix_train import validation
 from tunix_train.checkpoint import Checkpoints
 from tunix_train.config import Config, ConfigError
 from tunix_train.data import tokenizer as tokenizer_lib
@@ -51,7 +51,7 @@ SAMPLES_SHOWN = 4  # completions written as TensorBoard text every grpo.sample_e
 
 
 def run(cfg: Config, run_dir: Path, hooks: StepHooks = StepHooks()) -> dict[str, Any]:
-    config_lib.validate(cfg)
+    validation.validate(cfg)
     job = distributed.initialize(cfg.distributed)
     distributed.check_same_run_dir(run_dir)
     setup_process_logging(jax.process_index())

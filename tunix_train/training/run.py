@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from omegaconf import OmegaConf
 
-from tunix_train import config as config_lib
+from tunix_train import validation
 from tunix_train.analysis import flops, profiling
 from tunix_train.checkpoint import Checkpoints
 from tunix_train.config import Config
@@ -32,7 +32,7 @@ log = logging.getLogger("tunix_train")
 
 def run(cfg: Config, run_dir: Path, hooks: StepHooks = StepHooks()) -> dict[str, Any]:
     """`hooks`: the tests' fault injection (tests/faulty_training.py); a run has none."""
-    config_lib.validate(cfg)
+    validation.validate(cfg)
     job = distributed.initialize(cfg.distributed)
     distributed.check_same_run_dir(run_dir)
     setup_process_logging(jax.process_index())

@@ -1,0 +1,189 @@
+"""Validation of a composed `Config` that needs no devices: ranges, choices and the keys that
+must agree. Checks that need the mesh live in parallel/mesh.py and parallel/sharding.py.
+
+`validate` raises `ConfigError` with one sentence naming the key, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tunix_train.config import (LORA_TARGETS, CheckpointConfig, Config, ConfigError, DataConfig,
+                                LoraConfig)
+
+@dataclass(frozen=True)
+class _Range:
+    """Allowed values of a numeric key; `None` values pass (they mean "not set")."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False  # low itself excluded
+    high_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def __str__(self) -> str:
+        if self.high == math.inf:
+            return f"{'above' if self.low_open else 'at least'} {self.low:g}"
+        return (f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}"
+                f"{')' if self.high_open else ']'}")
+
+
+_POSITIVE = _Range(0, low_open=True)
+_NATURAL = _Range(0)  # 0 allowed
+_COUNT = _Range(1)  # a count of at least one
+_FRACTION = _Range(0, 1)
+_BETA = _Range(0, 1, high_open=True)
+
+_CHOICES = {
+    ("training", "mixed_precision"): ("auto", "bf16", "fp32"),
+    ("training", "remat"): ("none", "full", "save_dots"),
+    ("training", "nan_policy"): ("halt", "skip"),
+    ("training", "grad_reduce_dtype"): ("auto", "fp32"),
+    ("model", "attention_impl"): ("auto", "blockwise", "cudnn", "pallas", "xla"),
+    ("model", "family"): ("gemma3", "llama3", "qwen3"),
+    ("model", "rope_type"): ("linear", "llama3"),
+    ("logging", "progress"): ("auto", "always", "never"),
+    ("data", "packing"): ("concat", "first_fit"),
+    ("data", "dtype"): ("uint16", "uint32"),
+    ("export", "dtype"): ("bfloat16", "float32"),
+    ("export", "lora"): ("merged", "adapter"),
+    ("lora", "base_quantization"): ("none", "nf4", "int8"),
+    ("trainer", "name"): ("default", "grpo"),
+    ("grpo", "kl_estimator"): ("k3", "k1"),
+    ("grpo", "advantage"): ("grpo", "dr_grpo", "rloo"),
+    ("grpo", "loss_aggregation"): ("sequence-mean-token-mean", "token-mean"),
+    ("grpo", "answer_compare"): ("numeric", "exact"),
+}
+
+_RANGES = {
+    ("model", "num_layers"): _COUNT, ("model", "embed_dim"): _COUNT,
+    ("model", "hidden_dim"): _COUNT, ("model", "num_heads"): _COUNT,
+    ("model", "num_kv_heads"): _COUNT, ("model", "head_dim"): _COUNT,
+    ("model", "vocab_size"): _COUNT, ("model", "sliding_window"): _COUNT,
+    ("model", "global_every"): _COUNT, ("model", "local_rope_base"): _POSITIVE,
+    ("model", "global_rope_base"): _POSITIVE, ("model", "global_rope_scale"): _POSITIVE,
+    ("model", "query_pre_attn_scalar"): _POSITIVE, ("model", "rms_norm_eps"): _POSITIVE,
+    ("model", "rope_low_freq_factor"): _POSITIVE, ("model", "rope_high_freq_factor"): _POSITIVE,
+    ("model", "rope_original_context"): _COUNT,
+    ("data", "seq_len"): _COUNT, ("data", "max_corpus_bytes"): _COUNT,
+    ("data", "validation_fraction"): _Range(0, 1, low_open=True, high_open=True),
+    ("data", "eval_batches"): _COUNT, ("data", "prefetch"): _NATURAL,
+    ("optimizer", "lr"): _NATURAL, ("optimizer", "warmup_steps"): _NATURAL,
+    ("optimizer", "min_lr_ratio"): _FRACTION, ("optimizer", "weight_decay"): _NATURAL,
+    ("optimizer", "grad_clip"): _NATURAL, ("optimizer", "b1"): _BETA,
+    ("optimizer", "b2"): _BETA, ("optimizer", "eps"): _POSITIVE,
+    ("training", "steps"): _COUNT, ("training", "seed"): _NATURAL,
+    ("training", "micro_batch_size"): _COUNT, ("training", "global_batch_size"): _COUNT,
+    ("training", "gradient_accumulation_steps"): _COUNT,
+    ("training", "sync_gradients_every"): _COUNT, ("training", "zero_stage"): _Range(0, 3),
+    ("training", "loss_vocab_chunk"): _COUNT, ("training", "pipeline_microbatches"): _COUNT,
+    ("training", "pipeline_repeats"): _COUNT, ("training", "eval_every_steps"): _NATURAL,
+    ("checkpoint", "every_steps"): _NATURAL, ("checkpoint", "keep"): _COUNT,
+    ("logging", "every_steps"): _COUNT, ("logging", "peak_tflops"): _POSITIVE,
+    ("generate", "max_new_tokens"): _COUNT, ("generate", "temperature"): _NATURAL,
+    ("generate", "top_k"): _NATURAL, ("generate", "seed"): _NATURAL,
+    ("generate", "eos_id"): _Range(-1),
+    ("export", "max_shard_gb"): _POSITIVE,
+    ("lora", "rank"): _NATURAL, ("lora", "alpha"): _POSITIVE,
+    ("lora", "dropout"): _Range(0, 1, high_open=True),
+    ("distributed", "init_timeout_s"): _COUNT, ("distributed", "heartbeat_timeout_s"): _COUNT,
+    ("distributed", "step_timeout_s"): _COUNT,
+    ("plan", "device_memory_gb"): _POSITIVE, ("plan", "num_devices"): _COUNT,
+    ("grpo", "num_generations"): _Range(2), ("grpo", "max_new_tokens"): _COUNT,
+    ("grpo", "temperature"): _POSITIVE, ("grpo", "top_k"): _NATURAL,
+    ("grpo", "top_p"): _Range(0, 1, low_open=True), ("grpo", "num_iterations"): _COUNT,
+    ("grpo", "epsilon"): _Range(0, 1, low_open=True, high_open=True),
+    ("grpo", "epsilon_high"): _POSITIVE, ("grpo", "beta"): _NATURAL,
+    ("grpo", "length_buffer"): _COUNT, ("grpo", "sample_every_steps"): _COUNT,
+}
+
+
+def validate(cfg: Config) -> None:
+    """Raises ConfigError for the first mistake found, before any device work."""
+    for (section, key), allowed in _RANGES.items():
+        value = getattr(getattr(cfg, section), key)
+        if value is not None and value not in allowed:
+            raise ConfigError(f"{section}.{key}={value} is out of range: it must be {allowed}.")
+    for (section, key), allowed in _CHOICES.items():
+        value = getattr(getattr(cfg, section), key)
+        if value not in allowed:
+            raise ConfigError(f"{section}.{key}={value!r} is not one of {', '.join(allowed)}.")
+    m = cfg.model
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(
+            f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads="
+            f"{m.num_kv_heads} (grouped-query attention); change one of them."
+        )
+    if m.attention_impl == "pallas" and (m.head_dim < 16 or m.head_dim & (m.head_dim - 1)):
+        raise ConfigError(f"model.attention_impl=pallas needs a power-of-two model.head_dim of at "
+                          f"least 16, not {m.head_dim}; use model.attention_impl=blockwise.")
+    _validate_data(cfg.data)
+    accum, sync = cfg.training.gradient_accumulation_steps, cfg.training.sync_gradients_every
+    if accum % sync:
+        raise ConfigError(
+            f"training.sync_gradients_every={sync} must divide "
+            f"training.gradient_accumulation_steps={accum}."
+        )
+    _validate_checkpoint(cfg.checkpoint)
+    _validate_trainer(cfg)
+    _validate_lora(cfg.lora)
+
+
+def _validate_trainer(cfg: Config) -> None:
+    grpo, data = cfg.trainer.name == "grpo", cfg.data.name == "prompts"
+    if grpo and not data:
+        raise ConfigError(f"trainer=grpo needs prompts: data=prompts data.path=<jsonl or parquet "
+                          f"records>, not data={cfg.data.name}.")
+    if data and not grpo:
+        raise ConfigError("data=prompts holds prompts without responses, for trainer=grpo; add "
+                          "trainer=grpo, or use data=sft for prompt/response pairs.")
+    if not grpo:
+        return
+    g = cfg.grpo
+    if g.max_new_tokens >= cfg.data.seq_len:
+        raise ConfigError(f"grpo.max_new_tokens={g.max_new_tokens} leaves no room for the prompt "
+                          f"in data.seq_len={cfg.data.seq_len}; raise data.seq_len above it.")
+    if g.reward_weights is not None and len(g.reward_weights) != len(g.rewards):
+        raise ConfigError(f"grpo.reward_weights has {len(g.reward_weights)} values for "
+                          f"{len(g.rewards)} grpo.rewards; give one weight per reward.")
+    if not g.rewards:
+        raise ConfigError("grpo.rewards is empty; name at least one, e.g. 'grpo.rewards=[answer]'.")
+    if cfg.training.eval_every_steps:
+        raise ConfigError(f"training.eval_every_steps={cfg.training.eval_every_steps} has no "
+                          f"meaning with trainer=grpo (rewards are logged every step); set it to 0.")
+    mesh = cfg.model.mesh_shape
+    if mesh is not None and "pp" in list(mesh[1]) and int(mesh[0][list(mesh[1]).index("pp")]) != 1:
+        raise ConfigError(f"model.mesh_shape={mesh} has pipeline stages, which trainer=grpo does "
+                          f"not support yet; put those devices on fsdp or tp instead.")
+
+
+def _validate_lora(lora: LoraConfig) -> None:
+    unknown = [t for t in lora.targets if t not in (*LORA_TARGETS, "all")]
+    if unknown or not lora.targets:
+        raise ConfigError(f"lora.targets={list(lora.targets)} names {unknown or 'nothing'}; use "
+                          f"projections of {', '.join(LORA_TARGETS)}, or all.")
+    if lora.base_quantization != "none" and not lora.on:
+        raise ConfigError(f"lora.base_quantization={lora.base_quantization} quantizes the frozen "
+                          f"base of LoRA, which is off (lora.rank=0); set lora.rank, e.g. 16.")
+
+
+def _validate_checkpoint(c: CheckpointConfig) -> None:
+    if c.resume_from and c.init_params_from:
+        raise ConfigError("checkpoint.resume_from and checkpoint.init_params_from are both set; "
+                          "keep resume_from to continue a run or init_params_from to fine-tune.")
+
+
+def _validate_data(data: DataConfig) -> None:
+    if data.name == "prompts":
+        if not data.prompt_field:
+            raise ConfigError("data=prompts needs data.prompt_field, the field holding each "
+                              "prompt; set data.prompt_field=<field>.")
+        return
+    if (data.prompt_field is None) != (data.response_field is None):
+        raise ConfigError("data.prompt_field and data.response_field go together (SFT); set both "
+                          "or neither.")
