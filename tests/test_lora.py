@@ -29,33 +29,6 @@ def lora_config(family: str, *extra: str):
     return compose_config(*family_tiny(family, *LORA, *extra))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_step_zero_is_the_base_model_and_only_the_adapters_change(family):
-    base_losses, base_state = train_losses(compose_config(*family_tiny(family, mesh_arg(1, 1))),
-                                           1, jax.devices()[:1])
-    setup = Setup.create(lora_config(family, mesh_arg(1, 1)), jax.devices()[:1])
-    state = setup.fresh_state()
-    start = jax.device_get(state[state_lib.FROZEN])
-    step, data = setup.train_step(), setup.open_data()
-    losses = []
-    for _ in range(2):
-        state, metrics = step(state, next(data.train))
-        losses.append(float(metrics["loss"]))
-    data.close()
-    # B = 0: the adapters add zeros (another program, so summed in another order: 1e-6).
-    np.testing.assert_allclose(losses[0], base_losses[0], rtol=1e-6)
-    assert losses[1] != losses[0]
-    # The trainable parameters are the adapters, every one of them changed; the base did not.
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(
-        state["params"])]
-    assert paths and all("_lora" in p for p in paths)
-    assert {p.split("]")[-2].strip("['") for p in paths} == {"a", "b"}
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state[state_lib.FROZEN]), start)
-    base_params = jax.device_get(base_state["params"])
-    jax.tree.map(lambda got, want: np.testing.assert_array_equal(got, want), start,
-                 _without_adapters(base_params, start))
-
-
 def _without_adapters(full, like):
     """`full` restricted to the keys of `like` (both nested dicts)."""
     if not isinstance(like, dict):
@@ -147,8 +120,7 @@ MESHES = {"4x2": [mesh_arg(4, 2)], "2x2x2": [mesh_of([[2, 2, 2], ["pp", "fsdp", 
           "4x2-zero1-offload": [mesh_arg(4, 2), "training.zero_stage=1",
                                 "training.offload_optimizer=true"]}
 CASES = [("gemma3", "4x2", "none"), ("gemma3", "2x2x2", "none"),
-         ("llama3", "4x2-zero1-offload", "none"), ("qwen3", "2x2x2", "nf4"),
-         ("llama3", "4x2", "int8")]
+         ("llama3", "4x2-zero1-offload", "none"), ("qwen3", "2x2x2", "nf4")]  # int8: below
 ACCUMULATE = ["training.global_batch_size=8", "training.gradient_accumulation_steps=2"]
 
 
@@ -287,13 +259,39 @@ def test_export_adapter_of_a_run_without_lora_is_refused(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # QLoRA against LoRA on the same run.
 
-def test_qlora_stays_close_to_lora():
-    """nf4 and int8 bases against the same run with the base unquantized: the step losses
-    differ by at most the measured distance (tests/test_lora.py's docstring numbers in
-    docs/lora.md), int8 closer than nf4."""
-    runs = {q: train_losses(lora_config("gemma3", mesh_arg(1, 1),
-                                        f"lora.base_quantization={q}"), 8, jax.devices()[:1])[0]
-            for q in ("none", "nf4", "int8")}
+def test_step_zero_is_the_base_model_only_adapters_train_and_qlora_stays_close():
+    """One device, Gemma 3 (local and global stacks, trailing layers; the other families'
+    adapters are checked against peft's above). Step 0 is the base model, only the adapters
+    change, the base as it started; nf4 and int8 bases against the same run unquantized: the
+    step losses differ by at most the distance measured (docs/lora.md), int8 closer than nf4."""
+    one = [mesh_arg(1, 1)]
+    base_losses, base_state = train_losses(compose_config(*family_tiny("gemma3", *one)), 1,
+                                           jax.devices()[:1])
+    runs = {}
+    for q in ("none", "nf4", "int8"):
+        setup = Setup.create(lora_config("gemma3", *one, f"lora.base_quantization={q}"),
+                             jax.devices()[:1])
+        state = setup.fresh_state()
+        start = jax.device_get(state[state_lib.FROZEN])
+        step, data, losses = setup.train_step(), setup.open_data(), []
+        for _ in range(8):
+            state, metrics = step(state, next(data.train))
+            losses.append(float(metrics["loss"]))
+        data.close()
+        runs[q] = np.array(losses)
+        # The base never changes; the trainable parameters are the adapters, A and B.
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(state[state_lib.FROZEN]),
+                     start)
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(
+            state["params"])]
+        assert paths and all("_lora" in p for p in paths)
+        assert {p.split("]")[-2].strip("['") for p in paths} == {"a", "b"}
+        if q == "none":  # the base is the model without adapters, as it would start
+            jax.tree.map(np.testing.assert_array_equal, start,
+                         _without_adapters(jax.device_get(base_state["params"]), start))
+    # B = 0: the adapters add zeros (another program, so summed in another order: 1e-6).
+    np.testing.assert_allclose(runs["none"][0], base_losses[0], rtol=1e-6)
+    assert runs["none"][1] != runs["none"][0]
     distance = {q: np.abs(runs[q] - runs["none"]).max() / runs["none"][0] for q in ("nf4", "int8")}
     print("relative distance to LoRA's losses:", distance)
     assert 0 < distance["int8"] < distance["nf4"] < NF4_DISTANCE
