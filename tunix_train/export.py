@@ -60,14 +60,7 @@ def export(cfg: Config, explicit: Iterable[str] = (), tokenizer_chosen: bool = F
     out = Path(cfg.export.path).expanduser()
     origin = weights.hf_origin(cfg.model)
     if layout.frozen is not None and cfg.export.lora == "adapter":
-        host = _to_host(layout_lib.select(params, lora.is_adapter))
-        if jax.process_index() != 0:
-            return []
-        file = hf_weights.save_adapter(host, cfg.model, cfg.lora, out, np.dtype(cfg.export.dtype),
-                                       None if origin is None else str(origin))
-        log.info("exported the LoRA adapter of %s to %s (base: %s)", cfg.model.name, out,
-                 origin or "not a Hugging Face folder; export it with export.lora=merged")
-        return [file]
+        return _export_adapter(cfg, params, out, origin)
     if layout.frozen is not None:
         params = jax.jit(lambda p: lora.folded(quantization.dequantized(p), cfg.lora))(params)
     host = _to_host(params)
@@ -83,6 +76,18 @@ def export(cfg: Config, explicit: Iterable[str] = (), tokenizer_chosen: bool = F
         _copy_tokenizer(source, out)
     log.info("exported %s to %s (%d safetensors file(s))", cfg.model.name, out, len(files))
     return files
+
+
+def _export_adapter(cfg: Config, params: Any, out: Path, origin: Path | None) -> list[Path]:
+    """A LoRA run's adapters as a PEFT adapter folder for the base at `origin`."""
+    host = _to_host(layout_lib.select(params, lora.is_adapter))
+    if jax.process_index() != 0:
+        return []
+    file = hf_weights.save_adapter(host, cfg.model, cfg.lora, out, np.dtype(cfg.export.dtype),
+                                   None if origin is None else str(origin))
+    log.info("exported the LoRA adapter of %s to %s (base: %s)", cfg.model.name, out,
+             origin or "not a Hugging Face folder; export it with export.lora=merged")
+    return [file]
 
 
 def _to_host(params: Any) -> Any:

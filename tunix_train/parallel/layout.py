@@ -188,14 +188,6 @@ class ParamLayout:
         return jax.jit(lambda: nnx.to_pure_dict(nnx.state(families.build(
             self.model, nnx.Rngs(seed), lora=lora))), out_shardings=shardings)()
 
-    def split(self, full: Any) -> tuple[Any, Any]:
-        """A whole parameter tree (fp32) → (trainable parameters, frozen base in its layout)."""
-        if self.frozen is None:
-            return full, None
-        trainable = select(full, lora_lib.is_adapter)
-        base = select(full, lambda path: not lora_lib.is_adapter(path))
-        return trainable, self.frozen.cast(base)
-
     def merge(self, trainable: Any, frozen: Any) -> Any:
         """The tree the model reads: trainable parameters and frozen base together."""
         return trainable if frozen is None else merged(trainable, frozen)
