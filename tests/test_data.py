@@ -65,7 +65,7 @@ def trainer():
 
     def evaluate(params, batches):
         sums = jax.device_get([eval_step(params, b) for b in batches])
-        return sum(float(s[0]) for s in sums) / sum(float(s[1]) for s in sums)
+        return sum(float(s[0]) for s in sums) / sum(float(s[1]["tokens"]) for s in sums)
 
     return step, evaluate, setup.fresh_state()
 

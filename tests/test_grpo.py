@@ -21,9 +21,10 @@ from tunix_train.grpo import objective as objective_lib
 from tunix_train.grpo.prompts import read_prompts
 from tunix_train.models import families
 from tunix_train.grpo.rewards import Rewards
-from tunix_train.grpo.rollouts import RolloutMaker, on_devices, reference_scorer
+from tunix_train.grpo.rollouts import RolloutMaker
 from tunix_train.parallel import fsdp
-from tunix_train.parallel.sharding import activate, per_shard_rules
+from tunix_train.parallel.sharding import activate, on_devices, per_shard_rules
+from tunix_train.training.reference import scorer as reference_scorer
 from tunix_train.training.setup import Setup
 
 # ---------------------------------------------------------------------------------------------
@@ -349,11 +350,13 @@ def test_bad_input_is_one_sentence_and_a_nonzero_exit(sums, tmp_path):
 
 def test_two_processes_through_the_launcher(laptop):
     """fsdp 2 × tp 2 over two processes of two devices: rollouts, rewards and updates agree
-    across processes (process 0's rewards are everyone's), and the run finishes and saves."""
+    across processes (process 0's rewards are everyone's), and the run finishes and saves,
+    its communication profile traced."""
     from test_launch import devices_env, launch
 
     typed, grpo_command = laptop
-    args = grpo_words(grpo_command, "training.steps=2", "model.mesh_shape=[[2,2],[fsdp,tp]]")
+    args = grpo_words(grpo_command, "training.steps=2", "model.mesh_shape=[[2,2],[fsdp,tp]]",
+                      "training.profile_communication=true")
     proc = launch(args, typed.root, devices_env(2))
     output = proc.communicate(timeout=400)[0]
     assert proc.returncode == 0, output[-4000:]
@@ -361,6 +364,8 @@ def test_two_processes_through_the_launcher(laptop):
     assert "tunix-grpo" in str(run_dir)  # trainer=grpo's own experiment name
     rewards = metrics(run_dir, "reward_mean")
     assert sorted(rewards) == [1, 2] and all(np.isfinite(list(metrics(run_dir, "loss").values())))
+    # training.profile_communication means under GRPO what it means for pre-training
+    assert list((run_dir / "tensorboard" / "plugins" / "profile").glob("*/*.xplane.pb"))
     assert (run_dir / "checkpoints" / "2").is_dir()
 
 

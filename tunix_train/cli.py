@@ -143,18 +143,29 @@ def run_training(cfg: DictConfig, run_dir: str, hooks=None) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     # After Hydra set up logging and the run dir:
-    from tunix_train.grpo import trainer as grpo_trainer
-    from tunix_train.training import run as default_trainer
+    from tunix_train.training import run as run_lib
 
     hydra = HydraConfig.get()
     with user_errors():
         config = typed(cfg, hydra.overrides.task, Path(hydra.runtime.cwd))
         validation.validate(config)
         nexts = NextCommands.of(hydra.overrides.task, Path(run_dir), Path(hydra.runtime.cwd))
-        trainer = grpo_trainer if config.trainer.name == "grpo" else default_trainer
-        summary = trainer.run(config, Path(run_dir), hooks or default_trainer.StepHooks())
+        summary = run_lib.run(config, Path(run_dir), task_of(config.trainer.name),
+                              hooks or run_lib.StepHooks())
     nexts.report(summary["final_step"], config.training.steps, preempted=summary["preempted"],
                  complete=summary.get("complete", False))
+
+
+def task_of(trainer: str):
+    """trainer.name → its part of the run (training/run.py's Task)."""
+    if trainer == "grpo":
+        from tunix_train.grpo.trainer import GrpoTask
+        return GrpoTask
+    if trainer == "dpo":
+        from tunix_train.dpo.trainer import DpoTask
+        return DpoTask
+    from tunix_train.training.run import Task
+    return Task
 
 
 class NextCommands:

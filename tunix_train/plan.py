@@ -80,7 +80,8 @@ def plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
     _as_planned(cfg)
     setup = Setup.create(cfg)
     start = time.perf_counter()
-    costs = setup.analyse(setup.compile_train_step())
+    loss_fn, extra = cli.task_of(cfg.trainer.name).loss(cfg)  # the trainer's own step
+    costs = setup.analyse(setup.compile_train_step(loss_fn, extra))
     return write(run_dir, setup, costs, time.perf_counter() - start)
 
 
@@ -126,6 +127,7 @@ def _record(setup, costs, compile_s: float) -> dict[str, Any]:
         "sync_gradients_every": setup.options.sync.sync_every,
         "per_device_bytes": per_device,
         "xla_memory": costs.xla_memory,
+        "reference": costs.reference,
         "flops_per_step": costs.flops_per_step,
         "collectives": [c.__dict__ for c in costs.comm.collectives],
         "gradient_reductions_per_step": costs.comm.gradient_reductions_per_step,

@@ -42,10 +42,11 @@ class StepCosts:
     comm: CommReport
     module: hlo.Module  # the compiled program, parsed
     sync: fsdp.GradientSync
+    reference: str = ""  # post-training's reference model: what it holds (training/reference.py)
 
     def memory_lines(self, unit: str = "MB") -> list[str]:
         f = {k: f"{v / UNITS[unit]:,.{1 if unit == 'MB' else 2}f} {unit}"
-             for k, v in {**self.per_device_bytes, **self.xla_memory}.items()}
+             for k, v in {**self.xla_memory, **self.per_device_bytes}.items()}
         buffer = (f"; also there: a {f['grad_buffer']} unreduced gradient buffer"
                   if self.per_device_bytes["grad_buffer"] else "")
         host = self.per_device_bytes["host"]
@@ -53,11 +54,15 @@ class StepCosts:
                   if self.per_device_bytes.get("frozen") else "")
         lines = [
             f"memory per device (compiled step), from XLA: arguments {f['arguments']} + outputs "
-            f"{f['outputs']} - donated {f['aliased']} + temporaries {f['temp']} = {f['total']}"
+            f"{f['outputs']} - donated {f['aliased']} + temporaries {f['temp']}"
+            + (f" + reference model {f['reference']}" if self.per_device_bytes.get("reference")
+               else "") + f" = {f['total']}"
             + (f" on the device, {f['host']} in host memory" if host else ""),
             f"  model state: params {f['params']} and optimizer {f['optimizer']}{frozen} "
             f"(arguments), grads {f['grads']} (temporaries, with the activations{buffer})",
         ]
+        if self.reference:
+            lines.append(f"  {self.reference}")
         if self.per_device_bytes["optimizer_host"]:
             lines.append(f"  offloaded: {f['optimizer_host']} of the optimizer state lives in "
                          f"pinned host memory and streams through the update")

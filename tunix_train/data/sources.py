@@ -385,3 +385,46 @@ def _check_ids(ids: np.ndarray, file: Path, vocab_limit: int) -> None:
     if top >= vocab_limit:
         raise ConfigError(f"data.path: {file} holds token id {top} but model.vocab_size="
                           f"{vocab_limit}; raise model.vocab_size or check data.dtype.")
+
+
+def whole_records(file: Path, required: dict[str, str]) -> list[dict]:
+    """Every record of a JSON lines or Parquet file, whole (prompt sets and preference pairs:
+    small enough to hold). `required`: field → the config key naming it; each record must hold
+    every such field."""
+    if file.suffix == ".parquet":
+        columns = _parquet_columns(file)
+        for field, key in required.items():
+            if field not in columns:
+                raise ConfigError(f"{key}: {file} has no column {field!r} (it has "
+                                  f"{', '.join(columns) or 'none'}); set {key} to one of them.")
+        rows = len(next(iter(columns.values()), []))
+        return [{name: values[i] for name, values in columns.items()} for i in range(rows)]
+    lines = _WholeRecords([file], required)
+    return [lines[i] for i in range(len(lines))]
+
+
+def _parquet_columns(file: Path) -> dict[str, list]:
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(file).to_pydict()
+    except Exception as error:  # pyarrow raises ArrowInvalid and friends
+        raise ConfigError(f"data.path: {file} is not a Parquet file ({error}).") from None
+
+
+class _WholeRecords(JsonLines):
+    """JSON lines whose records are kept whole (reward functions get every field)."""
+
+    def __init__(self, files: list[Path], required: dict[str, str]):
+        self.keys = required
+        super().__init__(files, tuple(required))
+
+    def _extract(self, record: Any, where: str):
+        if not isinstance(record, dict):
+            raise ConfigError(f"data.path: {where} is not a JSON object; each line must be one.")
+        for field in self.fields:
+            if field not in record:
+                key = self.keys.get(field, "data.path")
+                raise ConfigError(f"{key}: {where} has no field {field!r} (it has "
+                                  f"{', '.join(record) or 'none'}); set {key} to one of them.")
+        return dict(record)

@@ -13,10 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from tunix_train.config import ConfigError, DataConfig
-from tunix_train.data import sources
+from tunix_train.data import order, sources
 from tunix_train.data import tokenizer as tokenizer_lib
 
 log = logging.getLogger("tunix_train")
@@ -55,72 +53,16 @@ def read_prompts(data: DataConfig, tokenizer: tokenizer_lib.Tokenizer, max_token
 
 
 def _records(file: Path, prompt_field: str) -> list[dict]:
-    if file.suffix == ".parquet":
-        columns = _parquet_columns(file)
-        if prompt_field not in columns:
-            raise ConfigError(f"data.prompt_field: {file} has no column {prompt_field!r} (it has "
-                              f"{', '.join(columns) or 'none'}); set data.prompt_field to one "
-                              f"of them.")
-        rows = len(columns[prompt_field])
-        return [{name: values[i] for name, values in columns.items()} for i in range(rows)]
-    lines = _WholeRecords([file], (prompt_field,))
-    return [lines[i] for i in range(len(lines))]
+    """The file's records, whole; each holds the prompt as a string."""
+    records = sources.whole_records(file, {prompt_field: "data.prompt_field"})
+    for i, record in enumerate(records):
+        if not isinstance(record[prompt_field], str):
+            raise ConfigError(f"data.prompt_field: {file} record {i + 1} has a {prompt_field!r} "
+                              f"that is not a string.")
+    return records
 
 
-def _parquet_columns(file: Path) -> dict[str, list]:
-    import pyarrow.parquet as pq
+class PromptOrder(order.SeededOrder):
+    """Batches of prompts, epoch after epoch, each epoch in a seeded order (data/order.py)."""
 
-    try:
-        return pq.read_table(file).to_pydict()
-    except Exception as error:  # pyarrow raises ArrowInvalid and friends
-        raise ConfigError(f"data.path: {file} is not a Parquet file ({error}).") from None
-
-
-class _WholeRecords(sources.JsonLines):
-    """JSON lines whose records are kept whole (the reward functions get every field)."""
-
-    def _extract(self, record: Any, where: str):
-        if not isinstance(record, dict):
-            raise ConfigError(f"data.path: {where} is not a JSON object; each line must be one.")
-        field = self.fields[0]
-        if field not in record:
-            raise ConfigError(f"data.prompt_field: {where} has no field {field!r} (it has "
-                              f"{', '.join(record) or 'none'}); set data.prompt_field to one of "
-                              f"them.")
-        if not isinstance(record[field], str):
-            raise ConfigError(f"data.prompt_field: {where} has a {field!r} that is not a string.")
-        return dict(record)
-
-
-class PromptOrder:
-    """Batches of prompts, epoch after epoch, each epoch in a seeded order; `get_state` and
-    `set_state` are the checkpoint's data position."""
-
-    def __init__(self, prompts: list[Prompt], per_step: int, seed: int):
-        self.prompts, self.per_step, self.seed = prompts, per_step, seed
-        self.epoch, self.index = 0, 0
-
-    def __iter__(self) -> PromptOrder:
-        return self
-
-    def __next__(self) -> list[Prompt]:
-        batch = []
-        while len(batch) < self.per_step:
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.prompts))
-            take = order[self.index:self.index + self.per_step - len(batch)]
-            batch += [self.prompts[i] for i in take]
-            self.index += len(take)
-            if self.index >= len(self.prompts):
-                self.epoch, self.index = self.epoch + 1, 0
-        return batch
-
-    def get_state(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "index": self.index, "prompts": len(self.prompts),
-                "per_step": self.per_step}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        if state.get("prompts") != len(self.prompts):
-            raise ConfigError(f"the checkpoint's prompt position is for {state.get('prompts')} "
-                              f"prompts, data.path now has {len(self.prompts)}; resume with the "
-                              f"same prompts.")
-        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+    noun = "prompts"

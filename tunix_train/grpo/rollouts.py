@@ -20,7 +20,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tunix_train.config import GrpoConfig
@@ -31,6 +30,7 @@ from tunix_train.grpo.rewards import Rewards
 from tunix_train.inference.sampler import Sampler, SamplingOptions
 from tunix_train.models import quantization
 from tunix_train.parallel import sharding as sharding_lib
+from tunix_train.parallel.sharding import global_array as _global
 from tunix_train.training.setup import Setup
 
 EXTRA_INPUTS = ("old_logps", "advantages", "completion_mask")  # float32 batch entries
@@ -119,15 +119,6 @@ class RolloutMaker:
         return {k: v.reshape(shape.accum, shape.rows, L) for k, v in batch.items()}
 
 
-def on_devices(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
-    return {k: _global(v, sharding) for k, v in batch.items()}
-
-
-def _global(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """A global array from a host array every process holds whole."""
-    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
-
-
 def _agreed(tree: Any) -> Any:
     """Process 0's values everywhere: a reward function need not be deterministic."""
     if jax.process_count() == 1:
@@ -135,26 +126,3 @@ def _agreed(tree: Any) -> Any:
     from jax.experimental import multihost_utils
 
     return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree))
-
-
-def reference_scorer(setup: Setup, temperature: float):
-    """(reference params, update batch) → log π_ref of every target [accum, rows, seq_len],
-    one micro-batch at a time; no gradient."""
-    layout, options = setup.params, setup.options
-    dtype = layout.compute_dtype
-
-    def score(params, batch):
-        with sharding_lib.activate(options.mesh, options.rules):
-            model = nnx.merge(layout.graphdef, quantization.cast(params, dtype))
-
-            def one(micro):
-                return -model.token_losses(micro["inputs"], micro["targets"], micro["positions"],
-                                           micro["segment_ids"], options.vocab_chunks,
-                                           temperature)
-
-            keys = ("inputs", "targets", "positions", "segment_ids")
-            return jax.lax.map(one, {k: batch[k] for k in keys})
-
-    batch_sharding = setup.batch_sharding
-    return jax.jit(score, in_shardings=(layout.merged_shardings(), batch_sharding),
-                   out_shardings=batch_sharding)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 import jax
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -234,3 +235,13 @@ def gathered_over_fsdp(shardings: Any) -> Any:
         return NamedSharding(s.mesh, P(*(without(axis) for axis in s.spec)))
 
     return jax.tree.map(gathered, shardings)
+
+
+def global_array(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from a host array every process holds whole."""
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def on_devices(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
+    """A host batch (every process holds all of it) as global arrays in `sharding`."""
+    return {k: global_array(v, sharding) for k, v in batch.items()}

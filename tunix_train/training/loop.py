@@ -53,7 +53,7 @@ class StepHooks:
 class Loop:
     train_step: Callable
     data: GlobalBatches
-    evaluate: Callable[[Any], float]
+    evaluate: Callable[[Any], dict[str, float]] | None  # held-out metrics; None: no evaluation
     writer: MetricsWriter
     checkpoints: Checkpoints
     hooks: StepHooks
@@ -101,9 +101,10 @@ class Loop:
                 self._save(state, step)
         if self._eval_due(step) and not stop:  # the grace period is for saving
             with watchdog.paused():
-                eval_loss = self.evaluate(state)
-            self.writer.scalars(step, {"loss": eval_loss}, group="eval")
-            log.info("step %d | validation loss %.4f", step, eval_loss)
+                values = self.evaluate(state)
+            self.writer.scalars(step, values, group="eval")
+            log.info("step %d | validation %s", step,
+                     " | ".join(f"{k} {v:.4f}" for k, v in values.items()))
 
     def _log_due(self, step: int) -> bool:
         every, total = self.logging.every_steps, self.training.steps
@@ -111,7 +112,8 @@ class Loop:
 
     def _eval_due(self, step: int) -> bool:
         every = self.training.eval_every_steps
-        return bool(every) and step % every == 0 and step != self.training.steps
+        return (self.evaluate is not None and bool(every) and step % every == 0
+                and step != self.training.steps)
 
     def _check(self, up_to: int) -> None:
         """Fetches the unchecked steps ≤ up_to: non-finite ones halt or count; logged ones log."""

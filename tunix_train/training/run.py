@@ -26,43 +26,91 @@ from tunix_train.training.loop import Loop, StepHooks
 from tunix_train.training.metrics import (MetricsWriter, Throughput, report_costs,
                                           setup_process_logging)
 from tunix_train.training.setup import Setup
+from tunix_train.training.train_step import LossFn, loss_sums
 
 log = logging.getLogger("tunix_train")
 
 
-def run(cfg: Config, run_dir: Path, hooks: StepHooks = StepHooks()) -> dict[str, Any]:
-    """`hooks`: the tests' fault injection (tests/faulty_training.py); a run has none."""
+class Task:
+    """What a trainer adds to the one run below: its batches, its loss, its step and its
+    evaluation. This class is the next-token task of pre-training and SFT (trainer=default);
+    grpo/trainer.py and dpo/trainer.py subclass it. Everything else (set-up, restore,
+    compilation, the cost report, profiling, the loop, checkpoints, metrics) is `run`'s, so
+    every training.* and logging.* key means the same under every trainer."""
+
+    mfu: bool = True  # the step's FLOPs are the model's forward and backward on its tokens
+
+    @staticmethod
+    def loss(cfg: Config) -> tuple[LossFn, dict[str, Any]]:
+        """The train step's loss function ((graphdef, params, micro-batch, chunks) → sums) and
+        the [accum, rows, seq_len] batch entries it reads besides the tokens, by dtype (the
+        planner compiles the same step)."""
+        return loss_sums, {}
+
+    def __init__(self, setup: Setup):
+        self.setup = setup
+        self.data = setup.open_data()
+        self.inputs = self.data.train  # what the loop draws batches from (get_state/set_state)
+
+    def steps_done(self, state) -> int:
+        return int(jax.device_get(state["step"]))
+
+    def start(self, state, writer: MetricsWriter, first_step: int) -> None:
+        """After the restore, before the first step: reference models, start-up lines."""
+
+    def step(self, update: Callable) -> Callable:
+        """The loop's step (state, batch) → (state, metrics) around the compiled `update`."""
+        return update
+
+    def evaluator(self) -> Callable[[Any], dict[str, float]] | None:
+        """train state → held-out metrics ("loss" first); None: the task has no evaluation."""
+        evaluate = self.setup.evaluator(self.data.eval_batches)
+        return lambda state: {"loss": evaluate(state)}
+
+    def close(self) -> None:
+        self.data.close()
+
+
+def run(cfg: Config, run_dir: Path, task: type[Task] = Task,
+        hooks: StepHooks = StepHooks()) -> dict[str, Any]:
+    """`task`: the trainer's part (Task, grpo's or dpo's); `hooks`: the tests' fault injection
+    (tests/faulty_training.py); a run has none."""
     validation.validate(cfg)
     job = distributed.initialize(cfg.distributed)
     distributed.check_same_run_dir(run_dir)
     setup_process_logging(jax.process_index())
     setup = Setup.create(cfg, processes_per_node=job.local_world_size)
-    data = setup.open_data()
-    state = setup.initial_state(run_dir, data.train)
-    first_step = int(jax.device_get(state["step"]))
-    if first_step >= cfg.training.steps:
-        data.close()
-        return already_complete(first_step)
-    writer = MetricsWriter(run_dir, cfg.logging, cfg.training.steps, first_step)
-    log_startup(setup, state, writer)
-    train_step = _compiled_train_step(setup, writer, run_dir)
-    evaluate = setup.evaluator(data.eval_batches)
-    if first_step == 0:
-        _initial_evaluation(state, evaluate, writer)
-    checkpoints = Checkpoints(run_dir, cfg.checkpoint)  # after a restore set damaged steps aside
+    work = task(setup)
+    writer = checkpoints = None
     try:
+        state = setup.initial_state(run_dir, work.inputs)
+        first_step = work.steps_done(state)
+        if first_step >= cfg.training.steps:
+            return already_complete(first_step)
+        writer = MetricsWriter(run_dir, cfg.logging, cfg.training.steps, first_step)
+        log_startup(setup, state, writer)
+        work.start(state, writer, first_step)
+        step = work.step(_compiled_train_step(setup, work, writer, run_dir))
+        if cfg.training.profile_communication:
+            step = profiling.traced(step, run_dir / "tensorboard", cfg.training.steps)
+        evaluate = work.evaluator()
+        if first_step == 0 and evaluate is not None:
+            _initial_evaluation(state, evaluate, writer)
+        checkpoints = Checkpoints(run_dir, cfg.checkpoint)  # after a restore set damaged steps aside
         with writer.console():
-            loop = _loop(setup, train_step, data.train, evaluate, writer, checkpoints, hooks,
-                         first_step, setup.saved_config(state.get(state_lib.FROZEN)))
+            loop = _loop(setup, work, step, evaluate, writer, checkpoints, hooks, first_step,
+                         setup.saved_config(state.get(state_lib.FROZEN)))
             state, summary = loop.run(state, first_step)
             with finishing(summary["final_step"]):
-                if not summary["preempted"]:  # the grace period is for saving, not evaluating
-                    _final_evaluation(state, summary, evaluate, writer)
+                if not summary["preempted"] and evaluate is not None:  # the grace period
+                    _final_evaluation(state, summary, evaluate, writer)  # is for saving
                 checkpoints.close()
     finally:
-        checkpoints.close()  # waits until the last save has committed
-        data.close()
-        writer.close()
+        if checkpoints is not None:
+            checkpoints.close()  # waits until the last save has committed
+        work.close()
+        if writer is not None:
+            writer.close()
     return summary
 
 
@@ -83,14 +131,13 @@ def finishing(step: int) -> contextlib.AbstractContextManager:
                    None, PEERS_EXIT_CODE, every_s=30)
 
 
-def _compiled_train_step(setup: Setup, writer: MetricsWriter, run_dir: Path) -> Callable:
+def _compiled_train_step(setup: Setup, work: Task, writer: MetricsWriter,
+                         run_dir: Path) -> Callable:
     """Compiled ahead of time, so memory and communication are known before the first step."""
-    compiled = setup.compile_train_step()
+    loss_fn, extra = work.loss(setup.cfg)
+    compiled = setup.compile_train_step(loss_fn, extra)
     report_startup_costs(setup, compiled, writer, run_dir)
-    step = setup.runnable(compiled)
-    if setup.cfg.training.profile_communication:
-        return profiling.traced(step, run_dir / "tensorboard", setup.cfg.training.steps)
-    return step
+    return setup.runnable(compiled, loss_fn)
 
 
 def report_startup_costs(setup: Setup, compiled, writer: MetricsWriter, run_dir: Path) -> None:
@@ -104,12 +151,12 @@ def report_startup_costs(setup: Setup, compiled, writer: MetricsWriter, run_dir:
                     type(error).__name__, str(error).splitlines()[0][:200] if str(error) else "")
 
 
-def _loop(setup: Setup, train_step, data, evaluate, writer, checkpoints, hooks: StepHooks,
+def _loop(setup: Setup, work: Task, step, evaluate, writer, checkpoints, hooks: StepHooks,
           first_step: int, saved_config: dict) -> Loop:
     cfg = setup.cfg
     mfu_factor = flops.mfu_per_token_per_s(cfg.model, cfg.data.seq_len, cfg.logging,
-                                           jax.devices())
-    return Loop(train_step, data, evaluate, writer, checkpoints, hooks, cfg.training,
+                                           jax.devices()) if work.mfu else None
+    return Loop(step, work.inputs, evaluate, writer, checkpoints, hooks, cfg.training,
                 cfg.logging, cfg.distributed.step_timeout_s,
                 Throughput(first_step, setup.tokens_per_step, mfu_factor), saved_config)
 
@@ -117,14 +164,22 @@ def _loop(setup: Setup, train_step, data, evaluate, writer, checkpoints, hooks: 
 def _initial_evaluation(state, evaluate, writer: MetricsWriter) -> None:
     """The reference for "did it learn": the same validation batches before any update."""
     initial = evaluate(state)
-    writer.scalars(0, {"loss": initial}, group="eval")
-    log.info("validation loss before training %.4f", initial)
+    writer.scalars(0, initial, group="eval")
+    log.info("validation loss before training %.4f%s", initial["loss"], others(initial))
 
 
 def _final_evaluation(state, summary: dict, evaluate, writer: MetricsWriter) -> None:
-    summary["eval_loss"] = evaluate(state)
-    writer.scalars(summary["final_step"], {"loss": summary["eval_loss"]}, group="eval")
-    log.info("final validation loss %.4f (step %d)", summary["eval_loss"], summary["final_step"])
+    values = evaluate(state)
+    summary["eval_loss"] = values["loss"]
+    summary["eval"] = values
+    writer.scalars(summary["final_step"], values, group="eval")
+    log.info("final validation loss %.4f%s (step %d)", values["loss"], others(values),
+             summary["final_step"])
+
+
+def others(values: dict[str, float]) -> str:
+    """The held-out metrics besides the loss, for a log line."""
+    return "".join(f", {k} {v:.4f}" for k, v in values.items() if k != "loss")
 
 
 def _base_storage(cfg, setup: Setup) -> str:

@@ -34,7 +34,7 @@ from tunix_train.parallel import fsdp, sharding
 from tunix_train.parallel import stages
 from tunix_train.parallel import mesh as mesh_lib
 from tunix_train.parallel.layout import ParamLayout
-from tunix_train.training import optim
+from tunix_train.training import optim, reference
 from tunix_train.training.state import FROZEN, HOST, StateLayout, TrainState
 from tunix_train.training.train_step import (LossFn, StepOptions, jit_eval_step, jit_train_step,
                                              loss_sums)
@@ -127,15 +127,29 @@ class Setup:
 
     def evaluator(self, batches: list[pipeline.Batch]) -> Callable[[TrainState], float]:
         """train state → mean loss per token over the given (held-out) batches."""
-        eval_step = jit_eval_step(self.state, self.options, self.batch_sharding)
+        summed = self.eval_sums(batches)
 
         def evaluate(state: TrainState) -> float:
-            params = self.state.model_params(state)
-            sums = jax.device_get([eval_step(params, batch) for batch in batches])
-            loss, tokens = (sum(float(pair[k]) for pair in sums) for k in (0, 1))
-            return loss / max(tokens, 1.0)
+            sums = summed(state)
+            return sums["loss"] / max(sums["tokens"], 1.0)
 
         return evaluate
+
+    def eval_sums(self, batches: list[pipeline.Batch], loss_fn: LossFn = loss_sums
+                  ) -> Callable[[TrainState], dict[str, float]]:
+        """train state → `loss_fn`'s sums ("loss", "tokens", …) over the given batches."""
+        eval_step = jit_eval_step(self.state, self.options, self.batch_sharding, loss_fn)
+
+        def summed(state: TrainState) -> dict[str, float]:
+            params = self.state.model_params(state)
+            results = jax.device_get([eval_step(params, batch) for batch in batches])
+            total: dict[str, float] = {}
+            for loss, sums in results:
+                for key, value in {"loss": loss, **sums}.items():
+                    total[key] = total.get(key, 0.0) + float(value)
+            return total
+
+        return summed
 
     def open_data(self) -> pipeline.Data:
         cfg = self.cfg
@@ -208,7 +222,11 @@ class Setup:
         plan = self.options.pipeline
         split = None if plan is None else stages.Stages.of(
             families.layout(self.cfg.model), plan.stages, plan.repeats)
-        return costs.analyse(compiled, self.options.sync, abstract["params"], model_state, split)
+        found = costs.analyse(compiled, self.options.sync, abstract["params"], model_state, split)
+        held, found.reference = reference.memory(self)
+        found.per_device_bytes["reference"] = held
+        found.per_device_bytes["total"] += held
+        return found
 
 
 def fingerprint(frozen: Any) -> str:

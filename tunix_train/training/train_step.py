@@ -81,7 +81,10 @@ def train_step_fn(layout: StateLayout, optimizer: optax.GradientTransformation,
     its sums other than "tokens" are added to the metrics as sums (not yet divided)."""
 
     micro_loss_fn = loss_fn
-    if options.pipeline is not None:  # config validation refuses other losses with pp
+    if options.pipeline is not None:
+        if loss_fn is not loss_sums:  # config validation refuses these trainers by name first
+            raise ValueError("the pipeline schedule computes the next-token loss only; this "
+                             "trainer's loss cannot run on a pp mesh")
         micro_loss_fn = partial(pipeline.loss_sums, plan=options.pipeline)
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
@@ -130,13 +133,14 @@ def jit_train_step(layout: StateLayout, optimizer, schedule, options: StepOption
     )
 
 
-def jit_eval_step(layout: StateLayout, options: StepOptions, batch_sharding: NamedSharding):
-    def evaluate(params, batch: Batch) -> tuple[jax.Array, jax.Array]:
+def jit_eval_step(layout: StateLayout, options: StepOptions, batch_sharding: NamedSharding,
+                  loss_fn: LossFn = loss_sums):
+    """(merged params, one [1, rows, seq_len] batch) → (loss sum, the loss's other sums)."""
+    def evaluate(params, batch: Batch) -> tuple[jax.Array, dict]:
         single = jax.tree.map(lambda x: x[0], batch)
         with activate(options.mesh, options.rules):
-            loss, sums = loss_sums(layout.params.graphdef,
-                                   quantization.cast(params, options.compute_dtype),
-                                   single, options.vocab_chunks)
-            return loss, sums["tokens"]
+            return loss_fn(layout.params.graphdef,
+                           quantization.cast(params, options.compute_dtype),
+                           single, vocab_chunks=options.vocab_chunks)
 
     return jax.jit(evaluate, in_shardings=(layout.params.merged_shardings(), batch_sharding))
