@@ -1,7 +1,7 @@
 """The package's import arrows run one way, read from the source of every module:
 
     entry points (cli, plan, generate, export, launch)
-      → grpo → training → inference → analysis → parallel → models, data, checkpoint → config, validation
+      → grpo, dpo → training → inference → analysis → parallel → models, data, checkpoint → config, validation
 
 No cycles; the model package never imports the distribution layer (it names logical axes only);
 inference never imports the trainer; mesh axis names are spelled in the mesh module alone.
@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tunix_train"
 LAYERS = [  # top to bottom; a module may import its own layer's modules and those below
     {"tunix_train.cli", "tunix_train.plan", "tunix_train.generate", "tunix_train.export",
      "tunix_train.launch", "tunix_train.overrides"},
-    {"tunix_train.grpo"},
+    {"tunix_train.grpo", "tunix_train.dpo"},
     {"tunix_train.training"},
     {"tunix_train.inference"},
     {"tunix_train.analysis"},

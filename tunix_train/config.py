@@ -77,7 +77,7 @@ class LoraConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "builtin"  # builtin | text | jsonl | parquet | tokens | prompts (docs/data.md)
+    name: str = "builtin"  # builtin | text | jsonl | parquet | tokens | prompts | preferences
     path: Optional[str] = None  # local file, directory or glob; the builtin corpus needs none
     eval_path: Optional[str] = None  # held-out files; None = hold out validation_fraction of path
     tokenizer: str = "byte"  # byte | sentencepiece:<model file> | hf:<tokenizer.json or dir> | none
@@ -87,7 +87,9 @@ class DataConfig:
     prompt_field: Optional[str] = None  # jsonl/parquet SFT: with response_field, loss on the
     response_field: Optional[str] = None  # response tokens only
     dtype: str = "uint16"  # tokens: uint16 | uint32 ids in the flat binary file
-    chat_template: bool = False  # prompts: wrap each in the model family's user turn
+    chat_template: bool = False  # prompts, preferences: wrap each in the model family's user turn
+    chosen_field: str = "chosen"  # preferences: the preferred response (text or messages)
+    rejected_field: str = "rejected"  # preferences: the dispreferred response
     max_corpus_bytes: int = 8_000_000  # cap on the builtin corpus read from disk
     validation_fraction: float = 0.05  # held-out share of documents (or of each tokens file)
     eval_batches: int = 4  # validation batches per evaluation
@@ -168,7 +170,7 @@ class ExportConfig:
 
 @dataclass
 class TrainerConfig:
-    name: str = "default"  # default (next-token loss) | grpo (reinforcement learning, docs/grpo.md)
+    name: str = "default"  # default (next-token loss) | grpo (docs/grpo.md) | dpo (docs/dpo.md)
 
 
 @dataclass
@@ -201,6 +203,17 @@ class GrpoConfig:
 
 
 @dataclass
+class DpoConfig:
+    """`trainer=dpo` only (docs/dpo.md): preference pairs, a frozen reference."""
+
+    beta: float = 0.1  # strength of the pull toward the reference (the implicit reward's scale)
+    loss: str = "sigmoid"  # sigmoid (DPO) | ipo (IPO) | hinge (SLiC)
+    label_smoothing: float = 0.0  # sigmoid only: conservative DPO, labels flipped w.p. this
+    precompute_reference: bool = False  # score every pair with the reference once, then hold
+    # no reference model while training
+
+
+@dataclass
 class ExperimentConfig:
     name: str = "default"
 
@@ -226,6 +239,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -73,7 +73,7 @@ def with_data_group(overrides: Sequence[str]) -> tuple[list[str], str | None]:
     if "data" in keys or not paths:
         return list(overrides), None
     path = str(paths[-1].value())
-    group = ("prompts" if _trainer(parsed) == "grpo" else
+    group = ({"grpo": "prompts", "dpo": "preferences"}.get(_trainer(parsed)) or
              DATA_GROUP_BY_SUFFIX.get(Path(path.rstrip("*/")).suffix.lower()))
     if group is None:
         raise ConfigError(

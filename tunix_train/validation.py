@@ -53,7 +53,8 @@ _CHOICES = {
     ("export", "dtype"): ("bfloat16", "float32"),
     ("export", "lora"): ("merged", "adapter"),
     ("lora", "base_quantization"): ("none", "nf4", "int8"),
-    ("trainer", "name"): ("default", "grpo"),
+    ("trainer", "name"): ("default", "grpo", "dpo"),
+    ("dpo", "loss"): ("sigmoid", "ipo", "hinge"),
     ("grpo", "kl_estimator"): ("k3", "k1"),
     ("grpo", "advantage"): ("grpo", "dr_grpo", "rloo"),
     ("grpo", "loss_aggregation"): ("sequence-mean-token-mean", "token-mean"),
@@ -100,6 +101,8 @@ _RANGES = {
     ("grpo", "epsilon"): _Range(0, 1, low_open=True, high_open=True),
     ("grpo", "epsilon_high"): _POSITIVE, ("grpo", "beta"): _NATURAL,
     ("grpo", "length_buffer"): _COUNT, ("grpo", "sample_every_steps"): _COUNT,
+    ("dpo", "beta"): _Range(0, low_open=True), ("dpo", "label_smoothing"): _Range(0, 0.5,
+                                                                               high_open=True),
 }
 
 
@@ -134,14 +137,32 @@ def validate(cfg: Config) -> None:
     _validate_lora(cfg.lora)
 
 
+_TRAINER_DATA = {"grpo": "prompts", "dpo": "preferences"}  # a trainer's own data group
+
+
 def _validate_trainer(cfg: Config) -> None:
-    grpo, data = cfg.trainer.name == "grpo", cfg.data.name == "prompts"
-    if grpo and not data:
-        raise ConfigError(f"trainer=grpo needs prompts: data=prompts data.path=<jsonl or parquet "
-                          f"records>, not data={cfg.data.name}.")
-    if data and not grpo:
-        raise ConfigError("data=prompts holds prompts without responses, for trainer=grpo; add "
-                          "trainer=grpo, or use data=sft for prompt/response pairs.")
+    trainer, data = cfg.trainer.name, cfg.data.name
+    for name, group in _TRAINER_DATA.items():
+        if data == group and trainer != name:
+            raise ConfigError(f"data={group} is for trainer={name}; add trainer={name}, or use "
+                              f"data=sft for prompt/response pairs.")
+    if trainer in _TRAINER_DATA and data != _TRAINER_DATA[trainer]:
+        raise ConfigError(f"trainer={trainer} needs data={_TRAINER_DATA[trainer]} data.path="
+                          f"<jsonl or parquet records>, not data={data}.")
+    mesh = cfg.model.mesh_shape
+    if trainer != "default" and mesh is not None and "pp" in list(mesh[1]) and \
+            int(mesh[0][list(mesh[1]).index("pp")]) != 1:
+        raise ConfigError(f"model.mesh_shape={mesh} has pipeline stages, which trainer={trainer} "
+                          f"does not support yet (the pipeline computes the next-token loss only); "
+                          f"put those devices on fsdp or tp instead.")
+    if trainer == "dpo" and cfg.dpo.label_smoothing and cfg.dpo.loss != "sigmoid":
+        raise ConfigError(f"dpo.label_smoothing={cfg.dpo.label_smoothing} applies to "
+                          f"dpo.loss=sigmoid only, not {cfg.dpo.loss}; set it to 0.")
+    _validate_grpo(cfg)
+
+
+def _validate_grpo(cfg: Config) -> None:
+    grpo = cfg.trainer.name == "grpo"
     if not grpo:
         return
     g = cfg.grpo
@@ -156,10 +177,6 @@ def _validate_trainer(cfg: Config) -> None:
     if cfg.training.eval_every_steps:
         raise ConfigError(f"training.eval_every_steps={cfg.training.eval_every_steps} has no "
                           f"meaning with trainer=grpo (rewards are logged every step); set it to 0.")
-    mesh = cfg.model.mesh_shape
-    if mesh is not None and "pp" in list(mesh[1]) and int(mesh[0][list(mesh[1]).index("pp")]) != 1:
-        raise ConfigError(f"model.mesh_shape={mesh} has pipeline stages, which trainer=grpo does "
-                          f"not support yet; put those devices on fsdp or tp instead.")
 
 
 def _validate_lora(lora: LoraConfig) -> None:
@@ -179,10 +196,10 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
 
 
 def _validate_data(data: DataConfig) -> None:
-    if data.name == "prompts":
+    if data.name in ("prompts", "preferences"):
         if not data.prompt_field:
-            raise ConfigError("data=prompts needs data.prompt_field, the field holding each "
-                              "prompt; set data.prompt_field=<field>.")
+            raise ConfigError(f"data={data.name} needs data.prompt_field, the field holding each "
+                              f"prompt; set data.prompt_field=<field>.")
         return
     if (data.prompt_field is None) != (data.response_field is None):
         raise ConfigError("data.prompt_field and data.response_field go together (SFT); set both "

@@ -12,6 +12,8 @@ standard library's source), in seconds and offline. docs/data.md's examples and 
     <dir>/grpo/sums_sft.jsonl  {"prompt": "3+4=", "response": "7"}  data=sft
     <dir>/grpo/sums.jsonl      {"prompt": "3+4=", "answer": "7"}    trainer=grpo data=prompts
     <dir>/grpo/sums.parquet    the same records                     trainer=grpo data=prompts
+    <dir>/dpo/pairs.jsonl      {"prompt": "reverse abc:", "chosen": " cba", "rejected": " abc"}
+                                                                    trainer=dpo data=preferences
     (in a folder of their own: data.path globs over <dir> would take prompts for documents)
 """
 
@@ -90,6 +92,19 @@ def write_sums(out: Path) -> Path:
     return out / "sums.jsonl"
 
 
+def write_preferences(out: Path, docs: list[str], pairs: int = 1000) -> Path:
+    """Preference pairs for DPO (docs/dpo.md): the identifier spelt backwards is preferred to
+    it spelt forwards. Returns pairs.jsonl's path."""
+    out = out / "dpo"
+    out.mkdir(parents=True, exist_ok=True)
+    words = sorted({w for d in docs for w in re.findall(r"[a-z_]{4,10}", d) if w != w[::-1]})
+    words = [words[i] for i in np.random.default_rng(1).permutation(len(words))[:pairs]]
+    path = out / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"reverse {w}:", "chosen": f" {w[::-1]}",
+                                        "rejected": f" {w}"}) + "\n" for w in words))
+    return path
+
+
 def write_tokens(out: Path, docs: list[str]) -> Path:
     """nanoGPT's layout: every document's ids followed by EOS, as one flat uint16 array."""
     tokenizer = ByteTokenizer()
@@ -142,6 +157,7 @@ def write_all(out: Path) -> None:
                   train_sentencepiece, train_bpe):
         print(write(out, docs))
     print(write_sums(out))
+    print(write_preferences(out, docs))
 
 
 if __name__ == "__main__":

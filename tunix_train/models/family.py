@@ -145,6 +145,7 @@ class Family:
     model_types: tuple[str, ...] = ()  # config.json's `model_type` values it reads
     architectures: tuple[str, ...] = ()  # config.json's `architectures` it writes
     chat_turn: str = "{prompt}"  # one user turn and the model's cue (data.chat_template=true)
+    end_turn: str = ""  # what closes the model's turn (chat messages of preference pairs)
 
     def layout(self, model: ModelConfig) -> StackLayout:
         raise NotImplementedError

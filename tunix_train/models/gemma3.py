@@ -64,6 +64,7 @@ class Gemma3(family.Family):
     architectures = ("Gemma3ForCausalLM",)
     default_token_ids = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
     chat_turn = "<start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n"
+    end_turn = "<end_of_turn>\n"
 
     def layout(self, model: ModelConfig) -> StackLayout:
         blocks, trailing = divmod(model.num_layers, model.global_every)

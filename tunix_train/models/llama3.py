@@ -51,6 +51,7 @@ class Llama3(family.Family):
     default_token_ids = {"bos_token_id": 128_000, "eos_token_id": 128_001}
     chat_turn = ("<|start_header_id|>user<|end_header_id|>\n\n{prompt}<|eot_id|>"
                  "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    end_turn = "<|eot_id|>"
     unsupported = _UNSUPPORTED
 
     def layout(self, model: ModelConfig) -> StackLayout:

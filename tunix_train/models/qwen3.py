@@ -29,6 +29,7 @@ class Qwen3(Llama3):
     architectures = ("Qwen3ForCausalLM",)
     default_token_ids = {"bos_token_id": 151_643, "eos_token_id": 151_643}
     chat_turn = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+    end_turn = "<|im_end|>\n"
     unsupported = (("hidden_act", "silu"), ("attention_bias", False),
                    ("use_sliding_window", False))
 
