@@ -171,7 +171,7 @@ def test_dpo_page_as_typed(typed):
     output = ok(typed.run(train, *TINY_MODEL))
     assert "validation loss before training 0.6931" in output
     control = "outputs/dpo-laptop-lr0"
-    ok(typed.run(train, *TINY_MODEL, "optimizer.lr=0", "training.steps=20",
+    ok(typed.run(train, *TINY_MODEL, "optimizer.lr=0", "training.steps=2",
                  f"hydra.run.dir={control}"))
 
     def held_out(run_dir: str, key: str) -> dict[int, float]:

@@ -25,7 +25,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from tunix_train.config import ConfigError, DataConfig
-from tunix_train.data import order, sources
+from tunix_train.data import records as records_lib
+from tunix_train.data import sources
 from tunix_train.data import tokenizer as tokenizer_lib
 from tunix_train.dpo.objective import CHOSEN, REJECTED
 from tunix_train.models.family import Family
@@ -74,8 +75,8 @@ def stack(rows: Sequence[dict[str, np.ndarray]], accum: int) -> dict[str, np.nda
     return {name: value.reshape(accum, -1, *value.shape[1:]) for name, value in batch.items()}
 
 
-class PairOrder(order.SeededOrder):
-    """Pairs, epoch after epoch, in a seeded order (data/order.py); each step's pairs as one
+class PairOrder(records_lib.SeededOrder):
+    """Pairs, epoch after epoch, in a seeded order (data/records.py); each step's pairs as one
     [accum, rows, seq_len] batch of `row(index)`s."""
 
     noun = "pairs"
@@ -109,7 +110,7 @@ def _pairs(data: DataConfig, path: str, key: str, tokenizer: tokenizer_lib.Token
     fields = {data.prompt_field: "data.prompt_field", data.chosen_field: "data.chosen_field",
               data.rejected_field: "data.rejected_field"}
     records = [(file, i, r) for file in files
-               for i, r in enumerate(sources.whole_records(file, fields))]
+               for i, r in enumerate(records_lib.whole_records(file, fields))]
     bos = () if tokenizer.bos_id is None else (tokenizer.bos_id,)
     eos = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
     encode = lambda text: tuple(int(i) for i in tokenizer.encode(text))  # noqa: E731

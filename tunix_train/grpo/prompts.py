@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from tunix_train.config import ConfigError, DataConfig
-from tunix_train.data import order, sources
+from tunix_train.data import records as records_lib
+from tunix_train.data import sources
 from tunix_train.data import tokenizer as tokenizer_lib
 
 log = logging.getLogger("tunix_train")
@@ -54,7 +55,7 @@ def read_prompts(data: DataConfig, tokenizer: tokenizer_lib.Tokenizer, max_token
 
 def _records(file: Path, prompt_field: str) -> list[dict]:
     """The file's records, whole; each holds the prompt as a string."""
-    records = sources.whole_records(file, {prompt_field: "data.prompt_field"})
+    records = records_lib.whole_records(file, {prompt_field: "data.prompt_field"})
     for i, record in enumerate(records):
         if not isinstance(record[prompt_field], str):
             raise ConfigError(f"data.prompt_field: {file} record {i + 1} has a {prompt_field!r} "
@@ -62,7 +63,7 @@ def _records(file: Path, prompt_field: str) -> list[dict]:
     return records
 
 
-class PromptOrder(order.SeededOrder):
-    """Batches of prompts, epoch after epoch, each epoch in a seeded order (data/order.py)."""
+class PromptOrder(records_lib.SeededOrder):
+    """Batches of prompts, epoch after epoch, each epoch in a seeded order (data/records.py)."""
 
     noun = "prompts"
