@@ -162,8 +162,7 @@ def _validate_trainer(cfg: Config) -> None:
 
 
 def _validate_grpo(cfg: Config) -> None:
-    grpo = cfg.trainer.name == "grpo"
-    if not grpo:
+    if cfg.trainer.name != "grpo":
         return
     g = cfg.grpo
     if g.max_new_tokens >= cfg.data.seq_len:

@@ -103,7 +103,7 @@ def loss_sums(objective: Objective, graphdef: nnx.GraphDef, params: Any, batch: 
 METRICS = ("chosen_reward", "rejected_reward", "margin", "accuracy")  # per pair, once divided
 
 
-def per_pair(sums: dict) -> dict:
-    """The loss function's metric sums divided by the pair count."""
+def per_pair(sums: dict, names: tuple[str, ...] = METRICS) -> dict:
+    """The loss function's sums `names` divided by the pair count."""
     pairs = jnp.maximum(sums["tokens"], 1.0)
-    return {name: sums[name] / pairs for name in METRICS}
+    return {name: sums[name] / pairs for name in names}

@@ -54,7 +54,6 @@ class DpoTask(run_lib.Task):
         self.ref_rows: dict[int, np.ndarray] | None = None  # precomputed: pair → [seq_len]
         self.inputs = PairOrder(len(self.pairs), self._row, b.accum, b.sequences,
                                 cfg.training.seed)
-        self.loss_fn = self.loss(cfg)[0]
         self.reference = self.score = None
 
     @staticmethod
@@ -123,13 +122,11 @@ class DpoTask(run_lib.Task):
         return dpo_step
 
     def evaluator(self) -> Callable[[Any], dict[str, float]]:
-        summed = self.setup.eval_sums(self.eval_batches, self.loss_fn)
+        summed = self.setup.eval_sums(self.eval_batches, self.loss(self.setup.cfg)[0])
 
         def evaluate(state) -> dict[str, float]:
-            sums = summed(state)
-            pairs = max(sums["tokens"], 1.0)
-            return {"loss": sums["loss"] / pairs,
-                    **{name: sums[name] / pairs for name in objective_lib.METRICS}}
+            per_pair = objective_lib.per_pair(summed(state), ("loss", *objective_lib.METRICS))
+            return {name: float(value) for name, value in per_pair.items()}
 
         return evaluate
 
