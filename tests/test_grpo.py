@@ -266,7 +266,9 @@ def metrics(run_dir: Path, key: str) -> dict[int, float]:
 
 
 def test_the_laptop_example_learns_and_beats_a_control_run_with_lr_0(laptop):
-    """The page's GRPO command as typed, and again with optimizer.lr=0 appended."""
+    """The page's GRPO command as typed, and again with optimizer.lr=0 appended, for as many
+    steps as the window the two are compared over (with lr=0 the policy, and so the expected
+    reward, stays where it started: any window of the control measures it)."""
     from typed_docs import ok
 
     typed, grpo_command = laptop
@@ -275,17 +277,17 @@ def test_the_laptop_example_learns_and_beats_a_control_run_with_lr_0(laptop):
     for control in (False, True):
         run_dir = f"outputs/grpo-control-{control}"
         output = ok(typed.run(grpo_command, "logging.every_steps=1", f"hydra.run.dir={run_dir}",
-                              *(["optimizer.lr=0"] if control else [])))
+                              *([f"training.steps={window}", "optimizer.lr=0"] if control else [])))
         assert "reward" in output  # the logged line shows it
         rewards[control] = np.array(list(metrics(typed.root / run_dir, "reward_mean").values()))
     trained, control = rewards[False], rewards[True]
-    assert len(trained) == len(control) >= 4 * window
+    assert len(trained) >= 4 * window and len(control) == window
     # Both runs see the same prompts in the same order and sample with the same keys: the first
-    # step is the same policy's, and the control stays where it started.
+    # step is the same policy's.
     assert trained[0] == control[0]
     first, last = trained[:window].mean(), trained[-window:].mean()
     assert last > first + 0.1, (first, last)
-    assert last > control[-window:].mean() + 0.07, (last, control[-window:].mean())
+    assert last > control.mean() + 0.07, (last, control.mean())
 
 
 FAULTY = "tests/faulty_training.py"
@@ -369,9 +371,9 @@ def test_two_processes_through_the_launcher(laptop):
     assert (run_dir / "checkpoints" / "2").is_dir()
 
 
-# Gemma 3: the laptop example above. Qwen 3 with LoRA: SFT with adapters on the random model
-# learns too, and GRPO trains adapters on the (whole-model) SFT run, its reference the base
-# with the adapters off.
+# Gemma 3: the laptop example above. Qwen 3 with LoRA: GRPO trains adapters on the
+# (whole-model) SFT run, its reference the base with the adapters off. (LoRA's own learning
+# is test_lora's and test_dpo's.)
 @pytest.mark.parametrize("family,lora", [("llama3", False), ("qwen3", True)])
 def test_sft_then_grpo_learn_the_sums_on_each_familys_tiny_model(family, lora, sums, tmp_path):
     """docs/grpo.md's laptop recipe on another family: SFT's held-out loss falls far below the
@@ -383,10 +385,9 @@ def test_sft_then_grpo_learn_the_sums_on_each_familys_tiny_model(family, lora, s
     adapters = ["lora.rank=16", "optimizer.lr=1e-2"] if lora else []
     sft = [*every, "data=sft", f"data.path={sums / 'sums_sft.jsonl'}", "data.seq_len=32",
            "training.steps=30", "training.global_batch_size=8"]
-    for run_dir, extra in [("sft", []), *([("sft-lora", adapters)] if lora else [])]:
-        run_lib.run(compose_config(*sft, *extra), tmp_path / run_dir)
-        held_out = list(metrics(tmp_path / run_dir, "eval_loss").values())
-        assert held_out[-1] < 0.3 * held_out[0], (run_dir, held_out)
+    run_lib.run(compose_config(*sft), tmp_path / "sft")
+    held_out = list(metrics(tmp_path / "sft", "eval_loss").values())
+    assert held_out[-1] < 0.3 * held_out[0], held_out
     grpo_trainer.run(compose_config(
         *every, *adapters, "trainer=grpo", "data=prompts", f"data.path={sums / 'sums.jsonl'}",
         "data.seq_len=16", "grpo.max_new_tokens=4", "grpo.rewards=[answer]",

@@ -245,7 +245,9 @@ def _device_gradients(sync: GradientSync, loss_fn: Callable, params: Any, local_
                       local_frozen: Any, batch: dict):
     """One device's part of `accumulated_gradients`: its blocks of the parameters, its rows."""
     K, rounds, per_layer = sync.sync_every, sync.reductions_per_step, sync.reduces_per_layer
-    micro_grads = _micro_gradients(sync, loss_fn, params, local_params, local_frozen)
+    # Jitted so that the step is traced once: `eval_shape` below traces it for the shapes of its
+    # sums, and the scan's body reuses that trace (a nested jit is inlined when compiled).
+    micro_grads = jax.jit(_micro_gradients(sync, loss_fn, params, local_params, local_frozen))
     sums_zero = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32),
                              jax.eval_shape(micro_grads, _first(batch))[2])
 
