@@ -38,7 +38,8 @@ def repo() -> Path:
 # ~19, grpo ~10, the three pipeline files ~13 together, launch ~8, lora ~6, resume ~5, dpo ~5.
 LONGEST_FIRST = ["test_docs_as_typed.py", "test_grpo.py", "test_launch.py", "test_lora.py",
                  "test_pipeline.py", "test_resume.py", "test_pipeline_leftover.py",
-                 "test_pipeline_circular.py", "test_dpo.py", "test_blockwise.py"]
+                 "test_pipeline_circular.py", "test_dpo.py", "test_schedulers.py",
+                 "test_blockwise.py"]
 
 
 def pytest_collection_modifyitems(items: list) -> None:

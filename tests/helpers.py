@@ -13,6 +13,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from compile_flags import with_fast_compile
+from typed_docs import SCHEDULER_VARIABLES
 from tunix_train import checkpoint
 from tunix_train import config as config_lib
 from tunix_train.checkpoint import Checkpoints
@@ -73,7 +74,8 @@ def train_losses(cfg: Config, steps: int, devices=None) -> tuple[np.ndarray, dic
 def cli_env(env_extra: dict | None = None) -> dict:
     """The test process's environment without its 8 forced devices, plus `env_extra`, and
     compile_flags.FAST_COMPILE."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith(
+        SCHEDULER_VARIABLES)}
     env.update(env_extra or {})
     return with_fast_compile(env)
 

@@ -26,11 +26,32 @@ def test_jax_variables_and_cluster_detection():
                                 "JAX_PROCESS_ID": "1"})
     assert (job.source, job.coordinator, job.num_processes, job.process_id) == (
         "jax", "h:1234", 2, 1)
-    slurm = distributed.discover({"SLURM_NTASKS": "16", "SLURM_NTASKS_PER_NODE": "8"})
-    assert (slurm.source, slurm.local_world_size) == ("cluster", 8)
-    args = distributed._initialize_args(DistributedConfig(), slurm)
-    assert "coordinator_address" not in args  # JAX's own SLURM / Open MPI detection
-    assert distributed.discover({}).source == "single"
+    slurm = distributed.discover({"SLURM_JOB_ID": "77", "SLURM_NTASKS": "7", "SLURM_PROCID": "5",
+                                  "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
+                                  "SLURM_STEP_NODELIST": "node[1-3]",
+                                  "SLURM_STEP_TASKS_PER_NODE": "3(x2),1"})
+    assert slurm == distributed.Job("slurm", None, 7, 5, 1, 1, "slurm-77")  # node 2: 1 task
+    assert slurm.describe() == "SLURM job 77, task 5 of 7"
+    mpi_env = {"OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_RANK": "3",
+               "OMPI_COMM_WORLD_LOCAL_RANK": "3", "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+               "OMPI_MCA_orte_hnp_uri": "441057280.0;tcp://10.0.0.2:43517"}
+    mpi = distributed.discover(mpi_env)
+    assert mpi == distributed.Job("mpi", None, 8, 3, 3, 4, "mpi-441057280")
+    assert mpi.describe() == "Open MPI rank 3 of 8"
+    in_slurm = distributed.discover({**mpi_env, "SLURM_JOB_ID": "5", "SLURM_NTASKS": "8"})
+    assert in_slurm.run_name == "slurm-5"  # mpirun in a batch job: requeued, it finds its run
+    for job in (slurm, mpi):
+        args = distributed._initialize_args(DistributedConfig(), job)
+        assert "coordinator_address" not in args  # JAX's own SLURM / Open MPI detection
+        assert "local_device_ids" not in args
+    assert distributed.discover({}) == distributed.Job("single")
+    assert distributed.discover({"SLURM_JOB_ID": "9", "SLURM_NTASKS": "1"}).run_name == "slurm-9"
+
+
+def test_python_started_by_an_sbatch_script_without_srun_is_told_to_use_srun():
+    with pytest.raises(ConfigError, match="SLURM_NTASKS=4 but this process is not a task of "
+                                          "srun .* start training with srun python"):
+        distributed.discover({"SLURM_JOB_ID": "8", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"})
 
 
 def test_incomplete_launcher_variables_are_a_config_error():

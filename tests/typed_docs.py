@@ -21,6 +21,10 @@ from pathlib import Path
 
 from compile_flags import with_fast_compile
 
+# A scheduler's variables (the suite run inside a SLURM allocation, say) would make the commands
+# the tests start tasks of that job (tunix_train/parallel/distributed.py): they are left out.
+SCHEDULER_VARIABLES = ("SLURM_", "OMPI_")
+
 REPO = Path(__file__).resolve().parent.parent
 
 # Appended to training commands to make them CPU-sized (the command's own keys come first, so
@@ -76,7 +80,8 @@ class Typed:
     def env(self, extra: dict | None = None) -> dict:
         """The user's shell: `python` is this interpreter; no simulated devices unless the
         page sets them (conftest's 8 are the test process's own)."""
-        env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+        env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")
+               and not k.startswith(SCHEDULER_VARIABLES)}
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         env.update(extra or {})
         return with_fast_compile(env)  # codegen only (compile_flags.py); commands unchanged

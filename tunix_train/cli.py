@@ -91,10 +91,15 @@ def before_hydra(argv: list[str]) -> None:
 def agreed_run_dir(overrides: Sequence[str]) -> str | None:
     """For processes started by hand (MASTER_* or JAX_* variables, no launcher): the run dir
     process 0 composed, received over MASTER_PORT + 1, so that however far apart the processes
-    started, `${now:}` is read once. None for any other kind of start."""
+    started, `${now:}` is read once. Under SLURM or mpirun, unless hydra.run.dir is given:
+    outputs/<experiment>/slurm-<job id> (the same for the job requeued) or mpi-<job id>.
+    None for any other kind of start."""
     from tunix_train.parallel import distributed, rendezvous
 
     job = distributed.discover()
+    if job.run_name and not any(o.startswith("hydra.run.dir=") for o in overrides):
+        name = OmegaConf.select(overrides_lib.compose_checked(overrides), "experiment.name")
+        return paths.absolute(f"outputs/{name}/{job.run_name}", Path.cwd())
     if job.source not in ("env", "jax") or not job.coordinator:
         return None
     cfg = overrides_lib.compose_checked(overrides, return_hydra_config=True)
@@ -185,6 +190,11 @@ class NextCommands:
         if os.environ.get(LAUNCHER_ENV):
             start = (f"python -m tunix_train.launch --nprocs="
                      f"{os.environ.get('LOCAL_WORLD_SIZE', 1)} run_training.py")
+        elif int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1)) > 1:
+            start = f"mpirun -n {os.environ['OMPI_COMM_WORLD_SIZE']} python run_training.py"
+        elif int(os.environ.get("SLURM_NTASKS", 1)) > 1 and "SLURM_STEP_NODELIST" in os.environ:
+            start = (f"srun --nodes={os.environ.get('SLURM_STEP_NUM_NODES', 1)} "
+                     f"--ntasks={os.environ['SLURM_NTASKS']} python run_training.py")
         return cls([shlex.quote(o) for o in kept], shown, start)
 
     def train(self, steps: int) -> str:

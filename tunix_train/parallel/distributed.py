@@ -4,7 +4,9 @@ Sources, first match wins:
   1. our launcher, torchrun or by hand:  MASTER_ADDR MASTER_PORT RANK WORLD_SIZE
                                          [LOCAL_RANK LOCAL_WORLD_SIZE]
   2. JAX's own variables:       JAX_COORDINATOR_ADDRESS JAX_NUM_PROCESSES JAX_PROCESS_ID
-  3. SLURM or Open MPI:         left to JAX's cluster detection (`initialize()` with no address)
+  3. SLURM (tasks of `srun`):    SLURM_JOB_ID SLURM_NTASKS SLURM_PROCID SLURM_LOCALID
+                                SLURM_STEP_NODELIST, joined by JAX's cluster detection
+  4. Open MPI (`mpirun`):       OMPI_COMM_WORLD_*, joined by JAX's cluster detection
 Anything else is a single-process run and initialises nothing.
 
 Joining never waits in silence: a line every 15 s says for whom; past
@@ -40,17 +42,30 @@ INIT_TIMEOUT_EXIT_CODE = PEERS_EXIT_CODE  # the exit code table is in docs/monit
 _SOURCES = {"launcher": "started by python -m tunix_train.launch",
             "env": "MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE",
             "jax": "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID",
-            "cluster": "SLURM or Open MPI, detected by JAX"}
+            "mpi": "Open MPI, detected by JAX"}
+CLUSTERS = ("slurm", "mpi")  # joined by JAX's own cluster detection
 
 
 @dataclass(frozen=True)
 class Job:
-    source: str  # launcher (ours) | env (MASTER_* set by hand or torchrun) | jax | cluster | single
+    source: str  # launcher (ours) | env (MASTER_* by hand, torchrun) | jax | slurm | mpi | single
     coordinator: str | None = None  # host:port of process 0's coordination service
     num_processes: int = 1
     process_id: int = 0
     local_rank: int = 0
     local_world_size: int = 1  # processes on this node
+    # The run dir's name every process of a scheduler's job agrees on: slurm-<SLURM's job id>
+    # (the same when the job is requeued), mpi-<mpirun's job id>; "" for other starts.
+    run_name: str = ""
+
+    def describe(self) -> str:
+        """How the processes were started, for the start-up line."""
+        if self.source == "slurm":
+            return (f"SLURM job {self.run_name.removeprefix('slurm-')}, task {self.process_id} "
+                    f"of {self.num_processes}")
+        if self.source == "mpi":
+            return f"Open MPI rank {self.process_id} of {self.num_processes}"
+        return _SOURCES[self.source]
 
 
 def discover(env: Mapping[str, str] = os.environ) -> Job:
@@ -68,10 +83,34 @@ def discover(env: Mapping[str, str] = os.environ) -> Job:
     if int(env.get("JAX_NUM_PROCESSES", 1)) > 1:
         return Job("jax", env.get("JAX_COORDINATOR_ADDRESS"), int(env["JAX_NUM_PROCESSES"]),
                    int(env.get("JAX_PROCESS_ID", 0)), **local)
-    if int(env.get("SLURM_NTASKS", 1)) > 1 or int(env.get("OMPI_COMM_WORLD_SIZE", 1)) > 1:
-        return Job("cluster", local_world_size=int(
-            env.get("SLURM_NTASKS_PER_NODE", env.get("OMPI_COMM_WORLD_LOCAL_SIZE", 1))))
-    return Job("single")
+    slurm_job = f"slurm-{env['SLURM_JOB_ID']}" if env.get("SLURM_JOB_ID") else ""
+    if int(env.get("OMPI_COMM_WORLD_SIZE", 1)) > 1:  # mpirun, inside a SLURM job or not
+        mpirun_job = env.get("OMPI_MCA_orte_hnp_uri", "").split(".", 1)[0]  # "44105728.0;tcp…"
+        return Job("mpi", None, int(env["OMPI_COMM_WORLD_SIZE"]),
+                   int(env.get("OMPI_COMM_WORLD_RANK", 0)),
+                   int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)),
+                   int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", 1)),
+                   slurm_job or (f"mpi-{mpirun_job}" if mpirun_job else ""))
+    if int(env.get("SLURM_NTASKS", 1)) > 1:
+        if "SLURM_STEP_NODELIST" not in env:
+            raise ConfigError(
+                f"SLURM_NTASKS={env['SLURM_NTASKS']} but this process is not a task of srun "
+                f"(no SLURM_STEP_NODELIST): in an sbatch script, start training with srun "
+                f"python run_training.py … (docs/multi_node.md, SLURM).")
+        return Job("slurm", None, int(env["SLURM_NTASKS"]), int(env["SLURM_PROCID"]),
+                   int(env.get("SLURM_LOCALID", 0)), _tasks_on_this_node(env), slurm_job)
+    return Job("single", run_name=slurm_job)
+
+
+def _tasks_on_this_node(env: Mapping[str, str]) -> int:
+    """This node's task count from SLURM_STEP_TASKS_PER_NODE ("2(x3),1": 2 on each of the first
+    three nodes, 1 on the fourth) and SLURM_NODEID."""
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "1"))
+    counts = []
+    for part in spec.split(","):
+        count, _, times = part.partition("(x")
+        counts += [int(count)] * int(times.rstrip(")") or 1)
+    return counts[min(int(env.get("SLURM_NODEID", 0)), len(counts) - 1)]
 
 
 def die_with_launcher(env: Mapping[str, str] = os.environ) -> None:
@@ -94,9 +133,12 @@ def initialize(cfg: DistributedConfig) -> Job:
     job = discover()
     if job.source == "single":
         return job
-    where = job.coordinator or "the cluster's coordinator"
+    where = job.coordinator or "the coordinator JAX reads from the scheduler's variables"
     hint = (f"start every process with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE="
             f"{job.num_processes}, or raise distributed.init_timeout_s")
+    if job.source in CLUSTERS:
+        hint = ("check that every task of the job runs the same command, or raise "
+                "distributed.init_timeout_s")
     # keep_sigterm: once joined, JAX's preemption notifier owns SIGTERM (training/preemption.py).
     with Waiting(f"the {job.num_processes} processes of the job to join at {where} (this is "
                  f"process {job.process_id})", cfg.init_timeout_s, INIT_TIMEOUT_EXIT_CODE, hint,
@@ -104,7 +146,7 @@ def initialize(cfg: DistributedConfig) -> Job:
         jax.distributed.initialize(**_initialize_args(cfg, job))
     check_homogeneous(jax.devices())
     log.info("process %d of %d (%s); %d local devices of %d: %s", jax.process_index(),
-             jax.process_count(), _SOURCES[job.source], jax.local_device_count(),
+             jax.process_count(), job.describe(), jax.local_device_count(),
              jax.device_count(), jax.devices()[0].device_kind)
     return job
 
@@ -112,10 +154,10 @@ def initialize(cfg: DistributedConfig) -> Job:
 def _initialize_args(cfg: DistributedConfig, job: Job) -> dict:
     args = dict(initialization_timeout=cfg.init_timeout_s + _JAX_DEADLINE_MARGIN_S,
                 heartbeat_timeout_seconds=cfg.heartbeat_timeout_s)
-    if job.source != "cluster":
+    if job.source not in CLUSTERS:
         args.update(coordinator_address=job.coordinator, num_processes=job.num_processes,
                     process_id=job.process_id)
-    if job.local_world_size > 1 and job.source != "cluster":
+    if job.local_world_size > 1 and job.source not in CLUSTERS:
         # One process per GPU: each process sees only the device of its local rank (CPU
         # backends ignore this). Under SLURM / Open MPI, JAX's cluster detection decides.
         args["local_device_ids"] = [job.local_rank]

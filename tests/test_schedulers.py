@@ -1,0 +1,197 @@
+"""Training under real schedulers on this machine, with no launcher and no MASTER_* variables:
+a SLURM of two nodes at 127.0.0.1 (tools/slurm/start_local_cluster.sh: munge, slurmctld, two
+slurmd) whose `srun` tasks join one JAX job through JAX's own SLURM detection, and Open MPI's
+`mpirun`. Every process of a job agrees on one run dir."""
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from compile_flags import with_fast_compile
+from helpers import REPO, compose_config, train_losses
+from test_docs import split_command
+from test_launch import losses
+from typed_docs import CPU_SCALE, Typed, page_commands
+
+pytestmark = pytest.mark.slow
+PACKAGES = "slurm-wlm munge openmpi-bin"
+
+
+def require(*commands: str) -> None:
+    """Skips, saying what to install, where `commands` are missing; fails under CI, which
+    installs them (.ci/run): there a skip would hide a failure."""
+    missing = [c for c in commands if not shutil.which(c)]
+    if missing:
+        message = (f"{', '.join(missing)} not installed here: apt-get install {PACKAGES} "
+                   f"(Debian's packages; .ci/run installs them)")
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A two-node SLURM cluster; yields the environment its commands need (SLURM_CONF)."""
+    require("slurmctld", "slurmd", "munged", "srun")
+    state = tmp_path_factory.mktemp("slurm")
+    tools = REPO / "tools" / "slurm"
+    started = subprocess.run(["bash", str(tools / "start_local_cluster.sh"), str(state), "2"],
+                             capture_output=True, text=True, timeout=120)
+    try:
+        assert started.returncode == 0, started.stdout + started.stderr
+        yield {"SLURM_CONF": str(state / "slurm.conf"), "JAX_PLATFORMS": "cpu"}
+    finally:
+        subprocess.run(["bash", str(tools / "stop_local_cluster.sh"), str(state)], timeout=60)
+
+
+PAGE = REPO / "docs" / "multi_node.md"
+
+
+def batch_script(*append: str, script: str = "run_training.py") -> str:
+    """docs/multi_node.md's `train.sh` as shown, `append` added to its srun line (and, for the
+    fault-injection test only, another script in place of run_training.py)."""
+    [shown] = [b for b in re.findall(r"```bash\n(.*?)```", PAGE.read_text(), flags=re.S)
+               if b.startswith("#!/bin/bash")]
+    lines = shown.splitlines()
+    assert lines[-1].startswith("srun python run_training.py ")
+    lines[-1] = (lines[-1].replace(" run_training.py ", f" {script} ") + " "
+                 + shlex.join(append))
+    return "\n".join(lines) + "\n"
+
+
+# CPU scale, appended; each of the script's 2 tasks simulates its node's 4 devices.
+APPEND = [*CPU_SCALE, "training.steps=6", "logging.every_steps=1", "training.global_batch_size=8"]
+NODE_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+
+
+def slurm_env(cluster: dict, **extra: str) -> dict:
+    """This process's environment for a SLURM command (no SLURM_* of an outer job)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    return {**env, **cluster, **extra}
+
+
+def slurm(cluster: dict, *command: str) -> str:
+    return subprocess.run(command, env=slurm_env(cluster), check=True, capture_output=True,
+                          text=True, timeout=30).stdout
+
+
+def job_state(job: str, cluster: dict) -> dict[str, str]:
+    shown = slurm(cluster, "scontrol", "show", "job", job)
+    return dict(re.findall(r"(\w+)=(\S*)", shown))
+
+
+def wait_for(condition, what: str, timeout_s: float = 400) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def typed_job(cluster, tmp_path_factory):
+    """`sbatch train.sh` as the page shows it, from a fresh copy of the repository:
+    (the copy, the job id, its output, its run dir)."""
+    typed = Typed(tmp_path_factory.mktemp("typed") / "tunix_train")
+    (typed.root / "train.sh").write_text(batch_script(*APPEND))
+    [submit] = [c for c in page_commands("docs/multi_node.md") if c.startswith("sbatch")]
+    result = typed.run(submit, env={**cluster, **NODE_DEVICES, "SBATCH_WAIT": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    job = re.search(r"Submitted batch job (\d+)", result.stdout).group(1)
+    output = (typed.root / f"slurm-{job}.out").read_text()
+    [run_dir] = (typed.root / "outputs").glob(f"*/slurm-{job}")
+    return typed, job, output, run_dir
+
+
+def test_the_pages_batch_script_trains_on_two_nodes_as_one_process_would(typed_job):
+    """2 nodes × 1 task × 4 devices on fsdp 8: the losses of one process on 8 devices, in one
+    run dir named by the job id, each task saying which SLURM task it is."""
+    typed, job, output, run_dir = typed_job
+    assert f"(SLURM job {job}, task 1 of 2)" in output and "finished step 6 of 6" in output, output
+    assert all(p.name.startswith("slurm-") for p in (typed.root / "outputs").glob("*/*"))
+    words = split_command(batch_script(*APPEND).splitlines()[-1])[1]
+    want = train_losses(compose_config(*words), 6)[0]
+    np.testing.assert_allclose(losses(run_dir), want, rtol=1e-5)
+    assert "continue: srun --nodes=2 --ntasks=2 python run_training.py" in output
+
+
+def test_scancel_sigterm_then_scontrol_requeue_resumes_to_the_uninterrupted_losses(
+        cluster, typed_job, tmp_path):
+    """The page's script, paused after step 2 (tests/faults.py) to be sure it is mid-run, gets
+    `scancel --signal=TERM`: both tasks stop at one step and save, and the job ends.
+    `scontrol requeue` runs it again under the same job id: it finds its run dir, resumes, and
+    its losses are the uninterrupted job's, bitwise."""
+    typed = typed_job[0]
+    go = tmp_path / "go"
+    faults = json.dumps({"pause_at_step": 2, "resume_file": str(go)})
+    script = typed.root / "faulty.sh"
+    script.write_text(batch_script(*APPEND, script="tests/faulty_training.py"))
+    submitted = typed.run(f"sbatch --parsable {script.name}", env={
+        **cluster, **NODE_DEVICES, "TUNIX_TRAIN_TEST_FAULTS": faults})
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    out = typed.root / f"slurm-{job}.out"
+    text = lambda: out.read_text() if out.exists() else ""  # noqa: E731
+    wait_for(lambda: "paused after step 2 " in text(), "the job to pause after step 2")
+    slurm(cluster, "scancel", "--signal=TERM", job)
+    go.touch()
+    wait_for(lambda: job_state(job, cluster).get("JobState") == "COMPLETED", "the job to end")
+    assert "for preemption; checkpoint saved" in text(), text()[-3000:]
+    [run_dir] = (typed.root / "outputs").glob(f"*/slurm-{job}")
+    stopped = max(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert 2 <= stopped < 6
+
+    slurm(cluster, "scontrol", "requeue", job)
+    # SLURM holds a requeued job for 2 minutes before it may start again; not worth waiting for.
+    slurm(cluster, "scontrol", "update", f"JobId={job}", "StartTime=now")
+    wait_for(lambda: job_state(job, cluster).get("Restarts") == "1"
+             and job_state(job, cluster).get("JobState") == "COMPLETED", "the requeued job")
+    assert f"resuming from step {stopped}" in text() and "finished step 6 of 6" in text()
+    assert losses(run_dir).tolist() == losses(typed_job[3]).tolist()
+
+
+def test_python_run_by_an_sbatch_script_itself_is_told_to_use_srun(cluster, tmp_path):
+    """Two tasks asked for, but the batch script runs Python itself: one sentence, exit 2,
+    before JAX looks for a coordinator."""
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/bash\n{sys.executable} {REPO / 'run_training.py'}\n")
+    done = subprocess.run(["sbatch", "--wait", "--ntasks=2", f"--output={tmp_path}/out.txt",
+                           str(script)], cwd=tmp_path, env=slurm_env(cluster),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    [error] = [line for line in Path(tmp_path / "out.txt").read_text().splitlines()
+               if "error" in line.lower()]
+    assert "SLURM_NTASKS=2 but this process is not a task of srun" in error
+    assert "start training with srun python run_training.py" in error
+
+
+def test_mpirun_processes_train_as_one_process_would(tmp_path):
+    """`mpirun -n 2 --oversubscribe`: two processes of one device each on fsdp 2, joined by
+    JAX's Open MPI detection, give the losses of one process on 2 devices in one run dir."""
+    require("mpirun")
+    args = [*CPU_SCALE, "training.steps=4", "logging.every_steps=1",
+            "training.global_batch_size=8", 'model.mesh_shape=[[2,1],["fsdp","tp"]]']
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_"))}
+    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    if os.geteuid() == 0:  # Open MPI refuses root unless told twice
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    result = subprocess.run(["mpirun", "-n", "2", "--oversubscribe", sys.executable,
+                             str(REPO / "run_training.py"), *args], cwd=tmp_path,
+                            env=with_fast_compile(env), capture_output=True, text=True,
+                            timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "(Open MPI rank 1 of 2)" in output
+    [run_dir] = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
+    assert run_dir.name.startswith("mpi-")
+    want = train_losses(compose_config(*args), 4, jax.devices()[:2])[0]
+    np.testing.assert_allclose(losses(run_dir), want, rtol=1e-5)
