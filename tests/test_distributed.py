@@ -173,3 +173,21 @@ def test_processes_writing_to_different_run_dirs_are_refused_by_name(monkeypatch
         distributed.check_same_run_dir(tmp_path / "a")
     monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.stack([x, x]))
     distributed.check_same_run_dir(tmp_path / "a")
+
+
+@pytest.mark.parametrize("visible,per_task,local,rank,want", [
+    ("0", "1", 4, 2, [0]),              # --gpus-per-task=1: its one GPU, whatever its rank
+    ("3", "1", 4, 3, [0]),              # the same without cgroups: GPU 3 is its GPU 0
+    ("0,1,2,3", "", 4, 2, [2]),         # --gpus-per-node=4, 4 tasks: one each, by local rank
+    ("0,1,2,3", "", 1, 0, [0, 1, 2, 3]),  # one task per node: all of them
+    ("0,1,2,3,4,5,6,7", "", 2, 1, [4, 5, 6, 7]),  # 2 tasks share 8
+    ("0,1", "2", 2, 1, [0, 1]),         # --gpus-per-task=2
+])
+def test_a_cluster_task_uses_the_gpus_slurm_gave_it(visible, per_task, local, rank, want):
+    """Not JAX's default under SLURM / Open MPI (the GPU numbered by the local rank), which
+    fails on a task bound to one GPU and idles 3 of 4 GPUs of a task alone on its node."""
+    job = distributed.Job("slurm", None, 8, rank, rank, local, "slurm-1")
+    env = {"CUDA_VISIBLE_DEVICES": visible, **({"SLURM_GPUS_PER_TASK": per_task} if per_task
+                                               else {})}
+    assert distributed.cluster_device_ids(job, env) == want
+    assert distributed._initialize_args(DistributedConfig(), job, env)["local_device_ids"] == want

@@ -151,17 +151,47 @@ def initialize(cfg: DistributedConfig) -> Job:
     return job
 
 
-def _initialize_args(cfg: DistributedConfig, job: Job) -> dict:
+def _initialize_args(cfg: DistributedConfig, job: Job,
+                     env: Mapping[str, str] = os.environ) -> dict:
     args = dict(initialization_timeout=cfg.init_timeout_s + _JAX_DEADLINE_MARGIN_S,
                 heartbeat_timeout_seconds=cfg.heartbeat_timeout_s)
-    if job.source not in CLUSTERS:
-        args.update(coordinator_address=job.coordinator, num_processes=job.num_processes,
-                    process_id=job.process_id)
-    if job.local_world_size > 1 and job.source not in CLUSTERS:
+    if job.source in CLUSTERS:
+        ids = cluster_device_ids(job, env)
+        if ids is not None:
+            args["local_device_ids"] = ids
+        return args
+    args.update(coordinator_address=job.coordinator, num_processes=job.num_processes,
+                process_id=job.process_id)
+    if job.local_world_size > 1:
         # One process per GPU: each process sees only the device of its local rank (CPU
-        # backends ignore this). Under SLURM / Open MPI, JAX's cluster detection decides.
+        # backends ignore this).
         args["local_device_ids"] = [job.local_rank]
     return args
+
+
+def cluster_device_ids(job: Job, env: Mapping[str, str] = os.environ) -> list[int] | None:
+    """The GPUs a SLURM task or Open MPI rank uses, numbered among those it sees. JAX's own
+    choice there is the GPU numbered by the local rank, which is wrong twice: a task bound to
+    its own GPU (`--gpus-per-task`, CUDA_VISIBLE_DEVICES=its one GPU) sees it as GPU 0, and a
+    task alone on its node (`--ntasks-per-node=1 --gpus-per-node=4`) should use all four.
+    The rule: the GPUs it sees (CUDA_VISIBLE_DEVICES, else the machine's), shared out evenly
+    between the node's processes unless SLURM bound them per task. None without GPUs (JAX's
+    CPU backend ignores the choice)."""
+    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    count = len(visible) or _machine_gpus()
+    if count == 0:
+        return None
+    share = job.local_world_size
+    if env.get("SLURM_GPUS_PER_TASK") or count % share:
+        return list(range(count))
+    each = count // share
+    return list(range(job.local_rank * each, (job.local_rank + 1) * each))
+
+
+def _machine_gpus() -> int:
+    """NVIDIA GPUs the driver lists (no CUDA call: JAX's backend must start after initialize)."""
+    listed = Path("/proc/driver/nvidia/gpus")
+    return len(list(listed.iterdir())) if listed.is_dir() else 0
 
 
 def check_same_run_dir(run_dir: Path) -> None:
