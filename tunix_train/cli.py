@@ -173,6 +173,16 @@ def task_of(trainer: str):
     return Task
 
 
+def _scheduler_start(job) -> str | None:
+    """How a scheduler's job started run_training.py, for the closing lines' commands."""
+    if job.source == "mpi":
+        return f"mpirun -n {job.num_processes} python run_training.py"
+    if job.source == "slurm":
+        return (f"srun --nodes={os.environ.get('SLURM_STEP_NUM_NODES', 1)} "
+                f"--ntasks={job.num_processes} python run_training.py")
+    return None
+
+
 class NextCommands:
     """What to type next, said at the end of every run: where it is and how to go on."""
 
@@ -181,6 +191,7 @@ class NextCommands:
 
     @classmethod
     def of(cls, overrides: Sequence[str], run_dir: Path, cwd: Path) -> "NextCommands":
+        from tunix_train.parallel import distributed
         from tunix_train.parallel.launcher import LAUNCHER_ENV
 
         shown = os.path.relpath(run_dir, cwd) if run_dir.resolve().is_relative_to(
@@ -190,11 +201,8 @@ class NextCommands:
         if os.environ.get(LAUNCHER_ENV):
             start = (f"python -m tunix_train.launch --nprocs="
                      f"{os.environ.get('LOCAL_WORLD_SIZE', 1)} run_training.py")
-        elif int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1)) > 1:
-            start = f"mpirun -n {os.environ['OMPI_COMM_WORLD_SIZE']} python run_training.py"
-        elif int(os.environ.get("SLURM_NTASKS", 1)) > 1 and "SLURM_STEP_NODELIST" in os.environ:
-            start = (f"srun --nodes={os.environ.get('SLURM_STEP_NUM_NODES', 1)} "
-                     f"--ntasks={os.environ['SLURM_NTASKS']} python run_training.py")
+        else:
+            start = _scheduler_start(distributed.discover()) or start
         return cls([shlex.quote(o) for o in kept], shown, start)
 
     def train(self, steps: int) -> str:
