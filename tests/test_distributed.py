@@ -48,6 +48,27 @@ def test_jax_variables_and_cluster_detection():
     assert distributed.discover({"SLURM_JOB_ID": "9", "SLURM_NTASKS": "1"}).run_name == "slurm-9"
 
 
+def test_a_submitit_local_task_joins_its_jobs_coordinator_on_this_machine():
+    """submitit's local executor sets no variable JAX knows: its tasks agree on a coordinator
+    port from the job id, and share the GPUs it gave the job (CUDA_VISIBLE_DEVICES)."""
+    env = {"SUBMITIT_LOCAL_NTASKS": "2", "SUBMITIT_LOCAL_GLOBALID": "1",
+           "SUBMITIT_LOCAL_LOCALID": "1", "SUBMITIT_LOCAL_JOB_ID": "123456",
+           "SUBMITIT_EXECUTOR": "local", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    job = distributed.discover(env)
+    assert job == distributed.Job("submitit", "127.0.0.1:23456", 2, 1, 1, 2)
+    assert distributed.discover({**env, "SUBMITIT_LOCAL_GLOBALID": "0"}).coordinator == \
+        job.coordinator
+    assert job.describe() == "submitit local job, task 1 of 2"
+    args = distributed._initialize_args(DistributedConfig(), job, env)
+    assert (args["coordinator_address"], args["num_processes"], args["process_id"],
+            args["local_device_ids"]) == ("127.0.0.1:23456", 2, 1, [2, 3])
+    no_gpus = distributed._initialize_args(DistributedConfig(), job,
+                                           {**env, "CUDA_VISIBLE_DEVICES": ""})
+    assert "local_device_ids" not in no_gpus  # gpus_per_node=0: CUDA sees none
+    single = {**env, "SUBMITIT_LOCAL_NTASKS": "1", "SUBMITIT_LOCAL_GLOBALID": "0"}
+    assert distributed.discover(single).source == "single"
+
+
 def test_python_started_by_an_sbatch_script_without_srun_is_told_to_use_srun():
     with pytest.raises(ConfigError, match="SLURM_NTASKS=4 but this process is not a task of "
                                           "srun .* start training with srun python"):

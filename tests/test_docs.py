@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, compose_config
+from tunix_train import overrides as overrides_lib
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
@@ -35,8 +36,10 @@ ALL = [(p.name, c) for p in DOCS for c in shown_commands(p)]
 def test_every_shown_training_command_composes(page, command):
     _, words = split_command(command)
     flags_with_values = {i + 1 for i, w in enumerate(words) if w in ("--cfg", "-c")}
-    overrides = [w for i, w in enumerate(words) if not w.startswith(("-", "hydra."))
+    overrides = [w for i, w in enumerate(words) if not w.startswith(("-", "hydra"))
                  and i not in flags_with_values]
+    if "-m" in words or "--multirun" in words:  # a sweep: its first point
+        overrides = overrides_lib.single_values(overrides)
     compose_config(*overrides)
 
 
@@ -70,4 +73,9 @@ def test_ci_runs_exactly_readmes_test_command_and_it_installs_the_parity_referen
                 and "--upgrade pip" not in line]  # nothing installed beside it
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
-    assert {"torch", "transformers"} <= {r.split("=")[0].split(">")[0] for r in extras["test"]}
+    names = lambda extra: {r.split("=")[0].split(">")[0] for r in extras[extra]}  # noqa: E731
+    assert {"torch", "transformers"} <= names("test")
+    # docs/multi_node.md's `pip install -c constraints.txt -e '.[slurm]'`: what the suite ran,
+    # at the versions it ran (pinned: unpinned, the plugin pulls a pre-release hydra-core).
+    pinned = {line.split("==")[0] for line in (REPO / "constraints.txt").read_text().splitlines()}
+    assert names("slurm") <= names("test") and names("slurm") | {"submitit"} <= pinned

@@ -1,7 +1,8 @@
 """Training under real schedulers on this machine, with no launcher and no MASTER_* variables:
 a SLURM of two nodes at 127.0.0.1 (tools/slurm/start_local_cluster.sh: munge, slurmctld, two
-slurmd) whose `srun` tasks join one JAX job through JAX's own SLURM detection, and Open MPI's
-`mpirun`. Every process of a job agrees on one run dir."""
+slurmd) whose `srun` tasks join one JAX job through JAX's own SLURM detection, Open MPI's `mpirun`, and
+Hydra's submitit launcher (to that SLURM, and its local executor). Every process of a job agrees
+on one run dir."""
 
 import json
 import os
@@ -195,3 +196,75 @@ def test_mpirun_processes_train_as_one_process_would(tmp_path):
     assert run_dir.name.startswith("mpi-")
     want = train_losses(compose_config(*args), 4, jax.devices()[:2])[0]
     np.testing.assert_allclose(losses(run_dir), want, rtol=1e-5)
+
+
+# The submitit sweeps' CPU scale, appended: 2 tasks per job × 2 simulated devices each.
+SWEEP_APPEND = [*CPU_SCALE, "training.steps=4", "logging.every_steps=1",
+                "training.global_batch_size=8"]
+TASK_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+
+
+def sweep_command(launcher: str) -> tuple[str, list[str], list[str]]:
+    """The page's `-m hydra/launcher=<launcher>` command: (itself, its overrides of the
+    config, the values of its one swept key)."""
+    [command] = page_commands("docs/multi_node.md", f" -m hydra/launcher={launcher} ")
+    words = split_command(command)[1]
+    fixed = [w for w in words if not w.startswith(("-", "hydra")) and "," not in w]
+    [swept] = [w for w in words if "," in w and not w.startswith("hydra")]
+    key, values = swept.split("=", 1)
+    return command, fixed, [f"{key}={v}" for v in values.split(",")]
+
+
+@pytest.fixture(scope="module")
+def sweep_reference() -> dict[str, np.ndarray]:
+    """Each sweep point's losses from one process on the 4 devices of a job's 2 tasks."""
+    _, fixed, points = sweep_command("submitit_local")
+    assert sweep_command("submitit_slurm")[1:] == (fixed, points)  # the same sweep
+    return {p: train_losses(compose_config(*fixed, p, *SWEEP_APPEND), 4, jax.devices()[:4])[0]
+            for p in points}
+
+
+def check_sweep(typed: Typed, launcher: str, reference: dict[str, np.ndarray],
+                job_line: str) -> Path:
+    """The sweep dir of the launcher's one sweep: a run dir per point, in order, each with
+    its point's losses, written by a job of 2 tasks."""
+    [sweep] = [p for p in (typed.root / "outputs").glob("*/*/*") if p.is_dir()]
+    assert sorted(p.name for p in sweep.iterdir() if not p.name.startswith(".")) == [
+        "0", "1", "multirun.yaml"]
+    for number, point in enumerate(sweep_command(launcher)[2]):
+        np.testing.assert_allclose(losses(sweep / str(number)), reference[point], rtol=1e-5)
+    logs = "".join(p.read_text() for p in (sweep / ".submitit").rglob("*_log.out"))
+    assert len(re.findall(job_line, logs)) == 2, logs[-3000:]  # task 1 of each job
+    return sweep
+
+
+def test_the_pages_submitit_slurm_sweep_runs_a_two_task_job_per_point(
+        cluster, sweep_reference, tmp_path):
+    """`-m hydra/launcher=submitit_slurm … optimizer.lr=1e-3,3e-4` as shown: a job of 2 tasks
+    per point on the local SLURM, each joined into one JAX job by SLURM's variables, each
+    training its own point into its own run dir of the sweep dir."""
+    typed = Typed(tmp_path / "tunix_train")
+    command = sweep_command("submitit_slurm")[0]
+    result = typed.run(command, *SWEEP_APPEND, env={**cluster, **TASK_DEVICES}, timeout=600)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    check_sweep(typed, "submitit_slurm", sweep_reference,
+                r"process 1 of 2 \(SLURM job \d+, task 1 of 2\)")
+
+
+def test_the_pages_submitit_local_sweep_runs_without_slurm_and_resumes_by_sweep_dir(
+        sweep_reference, tmp_path):
+    """The same sweep through `submitit_local`: 2 processes per point on this machine, joined
+    over 127.0.0.1 from submitit's variables. The same command again with hydra.sweep.dir of
+    the first finds each point's run dir, which is complete."""
+    typed = Typed(tmp_path / "tunix_train")
+    command = sweep_command("submitit_local")[0]
+    env = {"JAX_PLATFORMS": "cpu", **TASK_DEVICES}
+    result = typed.run(command, *SWEEP_APPEND, env=env, timeout=600)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    sweep = check_sweep(typed, "submitit_local", sweep_reference,
+                        r"process 1 of 2 \(submitit local job, task 1 of 2\)")
+    again = typed.run(command, *SWEEP_APPEND, f"hydra.sweep.dir={sweep}", env=env, timeout=600)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+    logs = "".join(p.read_text() for p in (sweep / ".submitit").rglob("*_0_log.out"))
+    for number in (0, 1):
+        assert f"{sweep.relative_to(typed.root) / str(number)} is already complete" in logs, logs[-3000:]

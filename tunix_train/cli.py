@@ -177,6 +177,8 @@ def _scheduler_start(job) -> str | None:
     """How a scheduler's job started run_training.py, for the closing lines' commands."""
     if job.source == "mpi":
         return f"mpirun -n {job.num_processes} python run_training.py"
+    if job.source == "submitit":  # its local executor: so many processes on this machine
+        return f"python -m tunix_train.launch --nprocs={job.num_processes} run_training.py"
     if job.source == "slurm":
         return (f"srun --nodes={os.environ.get('SLURM_STEP_NUM_NODES', 1)} "
                 f"--ntasks={job.num_processes} python run_training.py")

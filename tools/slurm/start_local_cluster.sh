@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A SLURM cluster on this machine, for trying the SLURM recipes of docs/multi_node.md and for the
-# tests (tests/test_slurm.py): munge and slurmctld, and NODES slurmd daemons (each a node of its
+# tests (tests/test_schedulers.py): munge and slurmctld, and NODES slurmd daemons (each a node of its
 # own name, all at 127.0.0.1), everything under DIR (configuration, state, logs, pids).
 #
 #   bash tools/slurm/start_local_cluster.sh DIR [NODES] [CPUS]   # then: export SLURM_CONF=DIR/slurm.conf

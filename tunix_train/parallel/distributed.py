@@ -7,6 +7,9 @@ Sources, first match wins:
   3. SLURM (tasks of `srun`):    SLURM_JOB_ID SLURM_NTASKS SLURM_PROCID SLURM_LOCALID
                                 SLURM_STEP_NODELIST, joined by JAX's cluster detection
   4. Open MPI (`mpirun`):       OMPI_COMM_WORLD_*, joined by JAX's cluster detection
+  5. submitit's local executor (`hydra/launcher=submitit_local`): SUBMITIT_LOCAL_NTASKS
+                                SUBMITIT_LOCAL_GLOBALID SUBMITIT_LOCAL_JOB_ID, on 127.0.0.1
+     (`hydra/launcher=submitit_slurm` runs its tasks under srun: that is source 3)
 Anything else is a single-process run and initialises nothing.
 
 Joining never waits in silence: a line every 15 s says for whom; past
@@ -44,11 +47,14 @@ _SOURCES = {"launcher": "started by python -m tunix_train.launch",
             "jax": "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID",
             "mpi": "Open MPI, detected by JAX"}
 CLUSTERS = ("slurm", "mpi")  # joined by JAX's own cluster detection
+# The devices of a scheduler's process are those it was given, shared out (cluster_device_ids).
+SCHEDULED = (*CLUSTERS, "submitit")
 
 
 @dataclass(frozen=True)
 class Job:
-    source: str  # launcher (ours) | env (MASTER_* by hand, torchrun) | jax | slurm | mpi | single
+    source: str  # launcher (ours) | env (MASTER_* by hand, torchrun) | jax | slurm | mpi
+    #              | submitit (its local executor) | single
     coordinator: str | None = None  # host:port of process 0's coordination service
     num_processes: int = 1
     process_id: int = 0
@@ -65,6 +71,8 @@ class Job:
                     f"of {self.num_processes}")
         if self.source == "mpi":
             return f"Open MPI rank {self.process_id} of {self.num_processes}"
+        if self.source == "submitit":
+            return f"submitit local job, task {self.process_id} of {self.num_processes}"
         return _SOURCES[self.source]
 
 
@@ -83,6 +91,11 @@ def discover(env: Mapping[str, str] = os.environ) -> Job:
     if int(env.get("JAX_NUM_PROCESSES", 1)) > 1:
         return Job("jax", env.get("JAX_COORDINATOR_ADDRESS"), int(env["JAX_NUM_PROCESSES"]),
                    int(env.get("JAX_PROCESS_ID", 0)), **local)
+    if int(env.get("SUBMITIT_LOCAL_NTASKS", 1)) > 1:  # one node, tasks numbered 0..n-1
+        tasks = int(env["SUBMITIT_LOCAL_NTASKS"])
+        rank = int(env.get("SUBMITIT_LOCAL_GLOBALID", 0))
+        return Job("submitit", f"127.0.0.1:{submitit_port(env['SUBMITIT_LOCAL_JOB_ID'])}",
+                   tasks, rank, rank, tasks)
     slurm_job = f"slurm-{env['SLURM_JOB_ID']}" if env.get("SLURM_JOB_ID") else ""
     if int(env.get("OMPI_COMM_WORLD_SIZE", 1)) > 1:  # mpirun, inside a SLURM job or not
         mpirun_job = env.get("OMPI_MCA_orte_hnp_uri", "").split(".", 1)[0]  # "44105728.0;tcp…"
@@ -100,6 +113,14 @@ def discover(env: Mapping[str, str] = os.environ) -> Job:
         return Job("slurm", None, int(env["SLURM_NTASKS"]), int(env["SLURM_PROCID"]),
                    int(env.get("SLURM_LOCALID", 0)), _tasks_on_this_node(env), slurm_job)
     return Job("single", run_name=slurm_job)
+
+
+def submitit_port(job_id: str) -> int:
+    """The coordinator's port of a submitit local job, the same in each of its tasks: derived
+    from the job id (the pid of submitit's controller, unique on the machine while it runs),
+    in 20000-31999, below Linux's ephemeral ports (32768 on) that other programs' connections
+    take at random."""
+    return 20000 + int(job_id) % 12000
 
 
 def _tasks_on_this_node(env: Mapping[str, str]) -> int:
@@ -136,7 +157,7 @@ def initialize(cfg: DistributedConfig) -> Job:
     where = job.coordinator or "the coordinator JAX reads from the scheduler's variables"
     hint = (f"start every process with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE="
             f"{job.num_processes}, or raise distributed.init_timeout_s")
-    if job.source in CLUSTERS:
+    if job.source in SCHEDULED:
         hint = ("check that every task of the job runs the same command, or raise "
                 "distributed.init_timeout_s")
     # keep_sigterm: once joined, JAX's preemption notifier owns SIGTERM (training/preemption.py).
@@ -155,14 +176,15 @@ def _initialize_args(cfg: DistributedConfig, job: Job,
                      env: Mapping[str, str] = os.environ) -> dict:
     args = dict(initialization_timeout=cfg.init_timeout_s + _JAX_DEADLINE_MARGIN_S,
                 heartbeat_timeout_seconds=cfg.heartbeat_timeout_s)
-    if job.source in CLUSTERS:
+    if job.source in SCHEDULED:
         ids = cluster_device_ids(job, env)
         if ids is not None:
             args["local_device_ids"] = ids
+    if job.source in CLUSTERS:
         return args
     args.update(coordinator_address=job.coordinator, num_processes=job.num_processes,
                 process_id=job.process_id)
-    if job.local_world_size > 1:
+    if job.local_world_size > 1 and job.source not in SCHEDULED:
         # One process per GPU: each process sees only the device of its local rank (CPU
         # backends ignore this).
         args["local_device_ids"] = [job.local_rank]
@@ -170,7 +192,7 @@ def _initialize_args(cfg: DistributedConfig, job: Job,
 
 
 def cluster_device_ids(job: Job, env: Mapping[str, str] = os.environ) -> list[int] | None:
-    """The GPUs a SLURM task or Open MPI rank uses, numbered among those it sees. JAX's own
+    """The GPUs a SLURM task, Open MPI rank or submitit local task uses, numbered among those it sees. JAX's own
     choice there is the GPU numbered by the local rank, which is wrong twice: a task bound to
     its own GPU (`--gpus-per-task`, CUDA_VISIBLE_DEVICES=its one GPU) sees it as GPU 0, and a
     task alone on its node (`--ntasks-per-node=1 --gpus-per-node=4`) should use all four.
@@ -178,7 +200,8 @@ def cluster_device_ids(job: Job, env: Mapping[str, str] = os.environ) -> list[in
     between the node's processes unless SLURM bound them per task. None without GPUs (JAX's
     CPU backend ignores the choice)."""
     visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    count = len(visible) or _machine_gpus()
+    hidden = "CUDA_VISIBLE_DEVICES" in env and not visible  # set empty: no GPU for it
+    count = 0 if hidden else len(visible) or _machine_gpus()
     if count == 0:
         return None
     share = job.local_world_size
