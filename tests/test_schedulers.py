@@ -64,7 +64,7 @@ def batch_script(*append: str, script: str = "run_training.py") -> str:
     [shown] = [b for b in re.findall(r"```bash\n(.*?)```", PAGE.read_text(), flags=re.S)
                if b.startswith("#!/bin/bash")]
     lines = shown.splitlines()
-    assert lines[-1].startswith("srun python run_training.py ")
+    assert lines[-1].startswith("srun --kill-on-bad-exit=1 python run_training.py ")
     lines[-1] = (lines[-1].replace(" run_training.py ", f" {script} ") + " "
                  + shlex.join(append))
     return "\n".join(lines) + "\n"
@@ -122,7 +122,8 @@ def test_the_pages_batch_script_trains_on_two_nodes_as_one_process_would(typed_j
     words = split_command(batch_script(*APPEND).splitlines()[-1])[1]
     want = train_losses(compose_config(*words), 6)[0]
     np.testing.assert_allclose(losses(run_dir), want, rtol=1e-5)
-    assert "continue: srun --nodes=2 --ntasks=2 python run_training.py" in output
+    assert ("continue: srun --kill-on-bad-exit=1 --nodes=2 --ntasks=2 python run_training.py"
+            in output)
 
 
 def test_scancel_sigterm_then_scontrol_requeue_resumes_to_the_uninterrupted_losses(
@@ -268,3 +269,47 @@ def test_the_pages_submitit_local_sweep_runs_without_slurm_and_resumes_by_sweep_
     logs = "".join(p.read_text() for p in (sweep / ".submitit").rglob("*_0_log.out"))
     for number in (0, 1):
         assert f"{sweep.relative_to(typed.root) / str(number)} is already complete" in logs, logs[-3000:]
+
+
+def task_pid(job: str, task: int) -> int | None:
+    """The pid of a job's task (its Python process), found by the variables srun gave it."""
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            variables = dict(v.split("=", 1) for v in environ.read_bytes().decode(
+                errors="replace").split("\0") if "=" in v)
+            command = (environ.parent / "cmdline").read_bytes()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if (variables.get("SLURM_JOB_ID") == job and variables.get("SLURM_PROCID") == str(task)
+                and b"training.py" in command):
+            return int(environ.parent.name)
+    return None
+
+
+def test_a_task_killed_under_srun_ends_the_job_step_naming_it(cluster, typed_job, tmp_path):
+    """The page's script, paused after step 2; task 1 gets SIGKILL. `--kill-on-bad-exit=1`
+    ends the whole step at once, srun names the task, and task 0, which would otherwise wait
+    in a collective for a partner that is gone, is stopped: the job fails well within
+    distributed.heartbeat_timeout_s (100 s), nothing hangs."""
+    typed = typed_job[0]
+    go = tmp_path / "go"
+    faults = json.dumps({"pause_at_step": 2, "resume_file": str(go)})
+    script = typed.root / "killed.sh"
+    script.write_text(batch_script(*APPEND, script="tests/faulty_training.py"))
+    submitted = typed.run(f"sbatch --parsable {script.name}", env={
+        **cluster, **NODE_DEVICES, "TUNIX_TRAIN_TEST_FAULTS": faults})
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    out = typed.root / f"slurm-{job}.out"
+    text = lambda: out.read_text() if out.exists() else ""  # noqa: E731
+    wait_for(lambda: text().count("paused after step 2 ") == 2, "both tasks to pause")
+    pid = task_pid(job, 1)
+    assert pid, "task 1's process not found"
+    os.kill(pid, 9)
+    killed = time.monotonic()
+    go.touch()  # task 0 goes on into step 3's collectives, without its partner
+    wait_for(lambda: job_state(job, cluster).get("JobState") in ("FAILED", "CANCELLED"),
+             "the job to end", timeout_s=100)
+    assert time.monotonic() - killed < 100
+    assert re.search(r"srun: error: node\d: task 1: Killed", text()), text()[-3000:]
+    assert "finished step" not in text()

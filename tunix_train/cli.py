@@ -180,7 +180,7 @@ def _scheduler_start(job) -> str | None:
     if job.source == "submitit":  # its local executor: so many processes on this machine
         return f"python -m tunix_train.launch --nprocs={job.num_processes} run_training.py"
     if job.source == "slurm":
-        return (f"srun --nodes={os.environ.get('SLURM_STEP_NUM_NODES', 1)} "
+        return (f"srun --kill-on-bad-exit=1 --nodes={os.environ.get('SLURM_STEP_NUM_NODES', 1)} "
                 f"--ntasks={job.num_processes} python run_training.py")
     return None
 
