@@ -313,3 +313,22 @@ def test_a_task_killed_under_srun_ends_the_job_step_naming_it(cluster, typed_job
     assert time.monotonic() - killed < 100
     assert re.search(r"srun: error: node\d: task 1: Killed", text()), text()[-3000:]
     assert "finished step" not in text()
+
+
+def test_srun_on_two_nodes_trains_fsdp_by_tp_as_one_process_would(cluster, sweep_reference,
+                                                                   tmp_path):
+    """`srun -N 2 -n 2`, 2 simulated devices per task, on fsdp 2 × tp 2 (tp inside each task,
+    fsdp across the nodes): the losses of one process on 4 devices (here the submitit sweep's
+    first point, trained on fsdp 4: the same arithmetic to fp32 rounding), in one run dir."""
+    point = sweep_command("submitit_slurm")[2][0]
+    args = ['model.mesh_shape=[[2,2],["fsdp","tp"]]', point, *SWEEP_APPEND]
+    result = subprocess.run(["srun", "--kill-on-bad-exit=1", "-N", "2", "-n", "2",
+                             sys.executable, str(REPO / "run_training.py"), *args],
+                            cwd=tmp_path, env=with_fast_compile(slurm_env(cluster, **TASK_DEVICES)),
+                            capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert re.search(r"process 1 of 2 \(SLURM job \d+, task 1 of 2\)", output), output[-3000:]
+    [run_dir] = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
+    assert run_dir.name.startswith("slurm-")
+    np.testing.assert_allclose(losses(run_dir), sweep_reference[point], rtol=1e-5)
