@@ -36,9 +36,9 @@ def repo() -> Path:
 # none of them starts last and keeps one worker busy while the other has finished; the rest
 # follow in pytest's order. Worker minutes measured on a 2-core VM (2026-11-25): docs as typed
 # ~19, grpo ~10, the three pipeline files ~13 together, launch ~8, lora ~6, resume ~5, dpo ~5.
-LONGEST_FIRST = ["test_docs_as_typed.py", "test_grpo.py", "test_launch.py", "test_lora.py",
-                 "test_pipeline.py", "test_resume.py", "test_pipeline_leftover.py",
-                 "test_pipeline_circular.py", "test_dpo.py", "test_schedulers.py",
+LONGEST_FIRST = ["test_docs_as_typed.py", "test_grpo.py", "test_schedulers.py", "test_launch.py",
+                 "test_lora.py", "test_pipeline.py", "test_resume.py",
+                 "test_pipeline_leftover.py", "test_pipeline_circular.py", "test_dpo.py",
                  "test_blockwise.py"]
 
 
