@@ -126,6 +126,22 @@ def test_the_pages_batch_script_trains_on_two_nodes_as_one_process_would(typed_j
             in output)
 
 
+def submit_paused(typed: Typed, cluster: dict, go: Path):
+    """The page's script through tests/faulty_training.py, both tasks paused after step 2
+    until `go` exists: (the job id, a function reading its output so far)."""
+    faults = json.dumps({"pause_at_step": 2, "resume_file": str(go)})
+    script = typed.root / f"faulty-{go.parent.name}.sh"
+    script.write_text(batch_script(*APPEND, script="tests/faulty_training.py"))
+    submitted = typed.run(f"sbatch --parsable {script.name}", env={
+        **cluster, **NODE_DEVICES, "TUNIX_TRAIN_TEST_FAULTS": faults})
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    out = typed.root / f"slurm-{job}.out"
+    text = lambda: out.read_text() if out.exists() else ""  # noqa: E731
+    wait_for(lambda: text().count("paused after step 2 ") == 2, "both tasks to pause")
+    return job, text
+
+
 def test_scancel_sigterm_then_scontrol_requeue_resumes_to_the_uninterrupted_losses(
         cluster, typed_job, tmp_path):
     """The page's script, paused after step 2 (tests/faults.py) to be sure it is mid-run, gets
@@ -134,16 +150,7 @@ def test_scancel_sigterm_then_scontrol_requeue_resumes_to_the_uninterrupted_loss
     its losses are the uninterrupted job's, bitwise."""
     typed = typed_job[0]
     go = tmp_path / "go"
-    faults = json.dumps({"pause_at_step": 2, "resume_file": str(go)})
-    script = typed.root / "faulty.sh"
-    script.write_text(batch_script(*APPEND, script="tests/faulty_training.py"))
-    submitted = typed.run(f"sbatch --parsable {script.name}", env={
-        **cluster, **NODE_DEVICES, "TUNIX_TRAIN_TEST_FAULTS": faults})
-    assert submitted.returncode == 0, submitted.stderr
-    job = submitted.stdout.strip().split(";")[0]
-    out = typed.root / f"slurm-{job}.out"
-    text = lambda: out.read_text() if out.exists() else ""  # noqa: E731
-    wait_for(lambda: "paused after step 2 " in text(), "the job to pause after step 2")
+    job, text = submit_paused(typed, cluster, go)
     slurm(cluster, "scancel", "--signal=TERM", job)
     go.touch()
     wait_for(lambda: job_state(job, cluster).get("JobState") == "COMPLETED", "the job to end")
@@ -293,16 +300,7 @@ def test_a_task_killed_under_srun_ends_the_job_step_naming_it(cluster, typed_job
     distributed.heartbeat_timeout_s (100 s), nothing hangs."""
     typed = typed_job[0]
     go = tmp_path / "go"
-    faults = json.dumps({"pause_at_step": 2, "resume_file": str(go)})
-    script = typed.root / "killed.sh"
-    script.write_text(batch_script(*APPEND, script="tests/faulty_training.py"))
-    submitted = typed.run(f"sbatch --parsable {script.name}", env={
-        **cluster, **NODE_DEVICES, "TUNIX_TRAIN_TEST_FAULTS": faults})
-    assert submitted.returncode == 0, submitted.stderr
-    job = submitted.stdout.strip().split(";")[0]
-    out = typed.root / f"slurm-{job}.out"
-    text = lambda: out.read_text() if out.exists() else ""  # noqa: E731
-    wait_for(lambda: text().count("paused after step 2 ") == 2, "both tasks to pause")
+    job, text = submit_paused(typed, cluster, go)
     pid = task_pid(job, 1)
     assert pid, "task 1's process not found"
     os.kill(pid, 9)
