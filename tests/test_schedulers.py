@@ -161,7 +161,10 @@ def test_scancel_sigterm_then_scontrol_requeue_resumes_to_the_uninterrupted_loss
 
     slurm(cluster, "scontrol", "requeue", job)
     # SLURM holds a requeued job for 2 minutes before it may start again; not worth waiting for.
-    slurm(cluster, "scontrol", "update", f"JobId={job}", "StartTime=now")
+    # Not at once either: slurmd refuses a launch whose credential dates from the very second
+    # the run it replaces was ended ("Job 2 already killed, do not launch batch job", credential
+    # times are whole seconds), and the job fails.
+    slurm(cluster, "scontrol", "update", f"JobId={job}", "StartTime=now+2")
     wait_for(lambda: job_state(job, cluster).get("Restarts") == "1"
              and job_state(job, cluster).get("JobState") == "COMPLETED", "the requeued job")
     assert f"resuming from step {stopped}" in text() and "finished step 6 of 6" in text()
