@@ -77,5 +77,6 @@ def test_ci_runs_exactly_readmes_test_command_and_it_installs_the_parity_referen
     assert {"torch", "transformers"} <= names("test")
     # docs/multi_node.md's `pip install -c constraints.txt -e '.[slurm]'`: what the suite ran,
     # at the versions it ran (pinned: unpinned, the plugin pulls a pre-release hydra-core).
-    pinned = {line.split("==")[0] for line in (REPO / "constraints.txt").read_text().splitlines()}
+    constraints = (REPO / "constraints.txt").read_text().splitlines()
+    pinned = {line.split("==")[0] for line in constraints}
     assert names("slurm") <= names("test") and names("slurm") | {"submitit"} <= pinned

@@ -1,8 +1,8 @@
 """Training under real schedulers on this machine, with no launcher and no MASTER_* variables:
 a SLURM of two nodes at 127.0.0.1 (tools/slurm/start_local_cluster.sh: munge, slurmctld, two
-slurmd) whose `srun` tasks join one JAX job through JAX's own SLURM detection, Open MPI's `mpirun`, and
-Hydra's submitit launcher (to that SLURM, and its local executor). Every process of a job agrees
-on one run dir."""
+slurmd) whose `srun` tasks join one JAX job through JAX's own SLURM detection, Open MPI's
+`mpirun`, and Hydra's submitit launcher (to that SLURM, and its local executor). Every process
+of a job agrees on one run dir."""
 
 import json
 import os
@@ -278,7 +278,8 @@ def test_the_pages_submitit_local_sweep_runs_without_slurm_and_resumes_by_sweep_
     assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
     logs = "".join(p.read_text() for p in (sweep / ".submitit").rglob("*_0_log.out"))
     for number in (0, 1):
-        assert f"{sweep.relative_to(typed.root) / str(number)} is already complete" in logs, logs[-3000:]
+        run_dir = sweep.relative_to(typed.root) / str(number)
+        assert f"{run_dir} is already complete" in logs, logs[-3000:]
 
 
 def task_pid(job: str, task: int) -> int | None:
@@ -313,6 +314,7 @@ def test_a_task_killed_under_srun_ends_the_job_step_naming_it(cluster, typed_job
              "the job to end", timeout_s=100)
     assert time.monotonic() - killed < 100
     assert re.search(r"srun: error: node\d: task 1: Killed", text()), text()[-3000:]
+    assert "Terminating StepId" in text()  # srun's own stop of the others (--kill-on-bad-exit)
     assert "finished step" not in text()
 
 
@@ -325,8 +327,8 @@ def test_srun_on_two_nodes_trains_fsdp_by_tp_as_one_process_would(cluster, sweep
     args = ['model.mesh_shape=[[2,2],["fsdp","tp"]]', point, *SWEEP_APPEND]
     result = subprocess.run(["srun", "--kill-on-bad-exit=1", "-N", "2", "-n", "2",
                              sys.executable, str(REPO / "run_training.py"), *args],
-                            cwd=tmp_path, env=with_fast_compile(slurm_env(cluster, **TASK_DEVICES)),
-                            capture_output=True, text=True, timeout=600)
+                            cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                            env=with_fast_compile(slurm_env(cluster, **TASK_DEVICES)))
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert re.search(r"process 1 of 2 \(SLURM job \d+, task 1 of 2\)", output), output[-3000:]

@@ -176,29 +176,29 @@ def _initialize_args(cfg: DistributedConfig, job: Job,
                      env: Mapping[str, str] = os.environ) -> dict:
     args = dict(initialization_timeout=cfg.init_timeout_s + _JAX_DEADLINE_MARGIN_S,
                 heartbeat_timeout_seconds=cfg.heartbeat_timeout_s)
-    if job.source in SCHEDULED:
+    if job.source in SCHEDULED:  # the GPUs the scheduler gave this process
         ids = cluster_device_ids(job, env)
         if ids is not None:
             args["local_device_ids"] = ids
-    if job.source in CLUSTERS:
-        return args
-    args.update(coordinator_address=job.coordinator, num_processes=job.num_processes,
-                process_id=job.process_id)
-    if job.local_world_size > 1 and job.source not in SCHEDULED:
+    elif job.local_world_size > 1:
         # One process per GPU: each process sees only the device of its local rank (CPU
         # backends ignore this).
         args["local_device_ids"] = [job.local_rank]
+    if job.source not in CLUSTERS:  # JAX's cluster detection reads these for slurm and mpi
+        args.update(coordinator_address=job.coordinator, num_processes=job.num_processes,
+                    process_id=job.process_id)
     return args
 
 
 def cluster_device_ids(job: Job, env: Mapping[str, str] = os.environ) -> list[int] | None:
-    """The GPUs a SLURM task, Open MPI rank or submitit local task uses, numbered among those it sees. JAX's own
-    choice there is the GPU numbered by the local rank, which is wrong twice: a task bound to
-    its own GPU (`--gpus-per-task`, CUDA_VISIBLE_DEVICES=its one GPU) sees it as GPU 0, and a
-    task alone on its node (`--ntasks-per-node=1 --gpus-per-node=4`) should use all four.
-    The rule: the GPUs it sees (CUDA_VISIBLE_DEVICES, else the machine's), shared out evenly
-    between the node's processes unless SLURM bound them per task. None without GPUs (JAX's
-    CPU backend ignores the choice)."""
+    """The GPUs a SLURM task, Open MPI rank or submitit local task uses, numbered among those
+    it sees. JAX's own choice under SLURM and Open MPI is the GPU numbered by the local rank,
+    which is wrong twice: a task bound to its own GPU (`--gpus-per-task`,
+    CUDA_VISIBLE_DEVICES=its one GPU) sees it as GPU 0, and a task alone on its node
+    (`--ntasks-per-node=1 --gpus-per-node=4`) should use all four. The rule: the GPUs it sees
+    (CUDA_VISIBLE_DEVICES, else the machine's), shared out evenly between the node's processes
+    unless SLURM bound them per task. None without GPUs (JAX's CPU backend ignores the
+    choice)."""
     visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     hidden = "CUDA_VISIBLE_DEVICES" in env and not visible  # set empty: no GPU for it
     count = 0 if hidden else len(visible) or _machine_gpus()
