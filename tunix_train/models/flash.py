@@ -116,10 +116,17 @@ class _Tiles:
                               compiler_params=params, **kwargs)
 
 
+def _dot(a, b, trans_a: bool = False, trans_b: bool = False):
+    """a @ b of two tiles (either transposed), summed in fp32: what `pl.dot` did before JAX 0.11
+    deprecated it (0.11.2 no longer has it under `pl`)."""
+    contract = ((0 if trans_a else 1,), (1 if trans_b else 0,))
+    return lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
+
+
 def _probabilities(tiles: _Tiles, i, j, q_bxH, k_bxH, lse_b, segments_ref):
     """[b, b] fp32: softmax probabilities of a tile, recomputed from the saved log-sum-exp."""
     b = tiles.block
-    s = pl.dot(q_bxH, k_bxH, trans_b=True) * tiles.scale_log2
+    s = _dot(q_bxH, k_bxH, trans_b=True) * tiles.scale_log2
     seen = tiles.visible(i, j, segments_ref[pl.ds(i * b, b)], segments_ref[pl.ds(j * b, b)])
     return jnp.where(seen, jnp.exp2(s - lse_b[:, None]), 0.0)
 
@@ -134,11 +141,11 @@ def _forward_kernel(tiles: _Tiles, q_ref, k_ref, v_ref, segments_ref, out_ref, l
         acc_bxH, max_b, sum_b = carry
         k_bxH, v_bxH = k_ref[pl.ds(j * b, b), :], v_ref[pl.ds(j * b, b), :]
         seen = tiles.visible(i, j, segments_q, segments_ref[pl.ds(j * b, b)])
-        s = jnp.where(seen, pl.dot(q_bxH, k_bxH, trans_b=True) * tiles.scale_log2, _MASKED)
+        s = jnp.where(seen, _dot(q_bxH, k_bxH, trans_b=True) * tiles.scale_log2, _MASKED)
         new_max = jnp.maximum(max_b, s.max(axis=1))
         p = jnp.where(seen, jnp.exp2(s - new_max[:, None]), 0.0)
         rescale = jnp.exp2(max_b - new_max)
-        acc_bxH = acc_bxH * rescale[:, None] + pl.dot(p.astype(v_bxH.dtype), v_bxH)
+        acc_bxH = acc_bxH * rescale[:, None] + _dot(p.astype(v_bxH.dtype), v_bxH)
         return acc_bxH, new_max, sum_b * rescale + p.sum(axis=1)
 
     init = (jnp.zeros(q_bxH.shape, jnp.float32), jnp.full((b,), _MASKED, jnp.float32),
@@ -157,8 +164,8 @@ def _dq_kernel(tiles: _Tiles, q_ref, k_ref, v_ref, segments_ref, do_ref, lse_ref
     def step(j, dq_bxH):
         k_bxH, v_bxH = k_ref[pl.ds(j * b, b), :], v_ref[pl.ds(j * b, b), :]
         p = _probabilities(tiles, i, j, q_bxH, k_bxH, lse_b, segments_ref)
-        ds = p * (pl.dot(do_bxH, v_bxH, trans_b=True) - delta_b[:, None])
-        return dq_bxH + pl.dot(ds.astype(k_bxH.dtype), k_bxH)
+        ds = p * (_dot(do_bxH, v_bxH, trans_b=True) - delta_b[:, None])
+        return dq_bxH + _dot(ds.astype(k_bxH.dtype), k_bxH)
 
     dq_bxH = lax.fori_loop(*tiles.key_blocks(i), step, jnp.zeros(q_bxH.shape, jnp.float32))
     dq_ref[...] = (dq_bxH * tiles.scale).astype(dq_ref.dtype)
@@ -177,9 +184,9 @@ def _dkv_kernel(tiles: _Tiles, q_ref, k_ref, v_ref, segments_ref, do_ref, lse_re
         q_bxH, do_bxH = q_ref[pl.ds(i * b, b), head, :], do_ref[pl.ds(i * b, b), head, :]
         p = _probabilities(tiles, i, j, q_bxH, k_bxH, lse_ref[head, pl.ds(i * b, b)],
                            segments_ref)
-        dv_bxH = dv_bxH + pl.dot(p.astype(do_bxH.dtype), do_bxH, trans_a=True)
-        ds = p * (pl.dot(do_bxH, v_bxH, trans_b=True) - delta_ref[head, pl.ds(i * b, b)][:, None])
-        return dk_bxH + pl.dot(ds.astype(q_bxH.dtype), q_bxH, trans_a=True), dv_bxH
+        dv_bxH = dv_bxH + _dot(p.astype(do_bxH.dtype), do_bxH, trans_a=True)
+        ds = p * (_dot(do_bxH, v_bxH, trans_b=True) - delta_ref[head, pl.ds(i * b, b)][:, None])
+        return dk_bxH + _dot(ds.astype(q_bxH.dtype), q_bxH, trans_a=True), dv_bxH
 
     carry = (jnp.zeros(k_bxH.shape, jnp.float32), jnp.zeros(v_bxH.shape, jnp.float32))
     for head in range(tiles.groups):  # static: a few heads per group
