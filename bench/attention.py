@@ -6,7 +6,7 @@ sequence length, in one process: XLA's dense attention (the baseline), our block
     python bench/attention.py                                   # CPU: fp32
     python bench/attention.py --dtype bfloat16 --lengths 2048 8192 32768   # on a GPU
     python bench/attention.py --head-dim 64 --lengths 256 512              # small heads
-    python bench/attention.py --dtype bfloat16 --pallas-block 32 64 128    # kernel tile sizes
+    python bench/attention.py --dtype bfloat16 --pallas-block 32 64    # kernel tile sizes
 
 Gemma 3 1B's attention shape (4 query heads, 1 KV head, head dim 256 unless --head-dim), packed documents (a
 segment mask: dense and cuDNN get it as a mask / bias, blockwise and the kernels as segment ids), 8,192 tokens
@@ -44,39 +44,43 @@ def parse() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def paths(segments, window, dtype, pallas_blocks) -> dict:
-    mask = segments[:, None, :, None] == segments[:, None, None, :]
+def paths(window, dtype, pallas_blocks) -> dict:
+    """Each path as fn(q, k, v, segments): the masks are built inside the compiled step, so a
+    long row's [L, L] mask or bias is no constant captured at lowering (8.6 GB at 32,768)."""
     local = (window - 1, 0) if window else None
 
-    def dense(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=0.0625,
-                                            local_window_size=local, implementation="xla")
+    def mask_of(segments):
+        return segments[:, None, :, None] == segments[:, None, None, :]
 
-    def ours(q, k, v):
+    def dense(q, k, v, segments):
+        return jax.nn.dot_product_attention(q, k, v, mask=mask_of(segments), is_causal=True,
+                                            scale=0.0625, local_window_size=local,
+                                            implementation="xla")
+
+    def ours(q, k, v, segments):
         return blockwise.attention(q, k, v, segments, scale=0.0625, window=window)
 
     found = {"dense": dense, "blockwise": ours}
     if jax.default_backend() == "gpu":  # elsewhere the kernels are interpreted: no speed to see
         for block in pallas_blocks:
-            found[f"pallas_{block}"] = lambda q, k, v, block=block: flash.attention(
+            found[f"pallas_{block}"] = lambda q, k, v, segments, block=block: flash.attention(
                 q, k, v, segments, scale=0.0625, window=window, block=block)
     if jax.default_backend() == "gpu" and dtype != jnp.float32:
-        bias = _mask_as_bias(mask, HEADS, dtype)
-        found["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, bias=bias, is_causal=True, scale=0.0625, local_window_size=local,
-            implementation="cudnn")
+        found["cudnn"] = lambda q, k, v, segments: jax.nn.dot_product_attention(
+            q, k, v, bias=_mask_as_bias(mask_of(segments), HEADS, dtype), is_causal=True,
+            scale=0.0625, local_window_size=local, implementation="cudnn")
     return found
 
 
-def compiled(fn, q, k, v):
+def compiled(fn, q, k, v, segments):
     """fwd + bwd of a scalar of the output, compiled; None with why if it cannot be."""
-    step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) ** 2),
-                            argnums=(0, 1, 2)))
+    loss = lambda q, k, v, segments: jnp.sum(fn(q, k, v, segments).astype(jnp.float32) ** 2)
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     try:
-        jax.block_until_ready(step(q, k, v))
+        jax.block_until_ready(step(q, k, v, segments))
     except Exception as error:  # noqa: BLE001 — a benchmark reports what stopped a path
         return None, str(error).splitlines()[0][:120]
-    return (lambda: step(q, k, v)), None
+    return (lambda: step(q, k, v, segments)), None
 
 
 def main() -> None:
@@ -93,8 +97,8 @@ def main() -> None:
         segments = jnp.asarray(np.sort(rng.integers(0, 3, size=(batch, length)), axis=1))
         for layer, window in (("global", None), ("local", WINDOW)):
             runs, failed = {}, {}
-            for name, fn in paths(segments, window, dtype, args.pallas_block).items():
-                runs[name], why = compiled(fn, q, k, v)
+            for name, fn in paths(window, dtype, args.pallas_block).items():
+                runs[name], why = compiled(fn, q, k, v, segments)
                 if why:
                     failed[name] = why
                     del runs[name]

@@ -4,7 +4,8 @@
         training.micro_batch_size=4 'model.mesh_shape=[[-1,1],["fsdp","tp"]]'
 
 Any run_training.py override is accepted. The step is the framework's own (`Setup.train_step`),
-fed one fixed batch already on the devices, so the number is the step's speed alone. The batch
+fed one fixed batch already on the devices, so the number is the step's speed alone
+(the median of `MFU_ROUNDS`, default 5, timings of 5 steps). The batch
 is a real one from the configured data (packed documents, so attention carries document
 masks); `MFU_BATCH=random` uses unpacked random tokens instead (no masks).
 Prints tokens/s/device and MFU (model FLOPs from tunix_train/analysis/flops.py over the device kind's
@@ -30,7 +31,8 @@ from tunix_train.analysis import flops  # noqa: E402
 from tunix_train.models import attention  # noqa: E402
 from tunix_train.training.setup import Setup  # noqa: E402
 
-WARMUP, ROUNDS, STEPS_PER_ROUND = 3, 5, 5
+WARMUP, STEPS_PER_ROUND = 3, 5
+ROUNDS = int(os.environ.get("MFU_ROUNDS", 5))  # the median of ROUNDS timings of 5 steps
 
 
 def main(overrides: list[str]) -> dict:
