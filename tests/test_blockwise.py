@@ -108,14 +108,15 @@ def assert_train_step_equals_dense(implementation: str) -> None:
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
-def test_auto_picks_cudnn_on_a_gpu_unless_a_document_bias_would_be_large(monkeypatch):
+def test_auto_picks_cudnn_on_a_gpu_unless_a_document_bias_would_be_large_then_the_kernels(monkeypatch):
     path_of = functools.partial(attention.attention_path, head_dim=256)
     monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
     bf16, long = jnp.bfloat16, attention.CUDNN_BIAS_MAX_TOKENS * 2
     assert path_of("auto", bf16, masked=True, length=2048)[0] == "cudnn"
     assert path_of("auto", bf16, masked=False, length=long)[0] == "cudnn"
     path, why = path_of("auto", bf16, masked=True, length=long)
-    assert path == "blockwise" and f"document masks at {long} tokens" in why
+    assert path == "pallas" and f"document masks at {long} tokens" in why
+    assert attention.attention_path("auto", bf16, True, long, head_dim=96)[0] == "blockwise"
     assert path_of("auto", jnp.float32, masked=False, length=2048)[0] == "blockwise"
     assert path_of("xla", bf16, masked=True, length=2048)[0] == "xla"
     # Without cuDNN: dense below BLOCKWISE_MIN_TOKENS, blockwise from it; by name, as asked.

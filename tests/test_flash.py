@@ -120,12 +120,18 @@ def test_the_train_step_with_the_kernels_equals_dense_on_a_sharded_mesh():
     assert_train_step_equals_dense("pallas")
 
 
-def test_auto_never_picks_the_kernels_and_by_name_on_cpu_says_they_are_interpreted(monkeypatch):
+def test_auto_picks_the_kernels_only_for_long_packed_rows_on_a_gpu_and_never_on_cpu(monkeypatch):
+    """Where they were measured faster (docs/performance.md): packed rows above the length at
+    which cuDNN's document bias grows large; cuDNN everywhere else on a GPU."""
+    long = attention_lib.CUDNN_BIAS_MAX_TOKENS + 1
+    for backend in ("gpu", "cpu"):
+        monkeypatch.setattr(attention_lib.jax, "default_backend", lambda backend=backend: backend)
+        for masked in (False, True):
+            for length in (256, 2048, attention_lib.CUDNN_BIAS_MAX_TOKENS, long, 65536):
+                path, _ = attention_lib.attention_path("auto", jnp.bfloat16, masked, length, 64)
+                picked = backend == "gpu" and masked and length >= long
+                assert (path == "pallas") == picked, (backend, masked, length, path)
     monkeypatch.setattr(attention_lib.jax, "default_backend", lambda: "gpu")
-    for masked in (False, True):
-        for length in (256, 2048, 65536):
-            path, _ = attention_lib.attention_path("auto", jnp.bfloat16, masked, length, 64)
-            assert path != "pallas"
     assert attention_lib.attention_path("pallas", jnp.bfloat16, True, 2048, 64) == (
         "pallas", "model.attention_impl=pallas")
     monkeypatch.setattr(attention_lib.jax, "default_backend", lambda: "cpu")

@@ -155,9 +155,12 @@ class Attention(nnx.Module):
 _PATHS = {"blockwise": "blockwise", "xla": "XLA, [B, N, L, L] scores",
           "pallas": "Pallas flash attention kernels"}
 
-# Above this many tokens packed documents take the blockwise attention: cuDNN would get their
+# Above this many tokens packed documents take the Pallas kernels on a GPU: cuDNN would get their
 # mask as a [B, N, L, L] bias, per sequence 0.54 GB at 8,192 tokens and 8.6 GB at 32,768
-# (bf16, 4 heads), and as much again for its gradient.
+# (bf16, 4 heads), and as much again for its gradient. Measured on an H200 (2026-11-26,
+# docs/performance.md): gemma3_1b at 32,768 tokens steps in 1.07 s with the kernels against
+# 1.81 s blockwise; at 8,192 the kernels beat cuDNN on Gemma's local layers (0.9 against 2.7 ms)
+# but not on a global one (6.3 against 3.3 ms), so families without windows keep cuDNN there.
 CUDNN_BIAS_MAX_TOKENS = 8192
 # Without cuDNN: from this many tokens blockwise is faster than dense on CPU at head dim 256
 # (bench/attention.py: 0.96 at 512 tokens, 1.33 at 256); below it dense wins and its scores are
@@ -171,8 +174,9 @@ def attention_path(implementation: str, dtype, masked: bool, length: int,
                    head_dim: int) -> tuple[str, str]:
     """(path, why): "cudnn", "blockwise" (models/blockwise.py), "pallas" (models/flash.py) or
     "xla" (dense scores), for `model.attention_impl`, the compute dtype, whether documents are
-    masked, the length and the head dim. `auto` never picks pallas: its speed on a GPU is not
-    measured yet."""
+    masked, the length and the head dim. `auto` on a GPU takes pallas only for packed documents
+    above CUDNN_BIAS_MAX_TOKENS, where it was measured against blockwise (blockwise for a head
+    dim the kernels cannot tile)."""
     if implementation == "pallas" and jax.default_backend() != "gpu":
         return "pallas", f"model.attention_impl=pallas on {jax.default_backend()}: through " \
                          f"Pallas's interpreter, exact but slow; the kernels are for GPUs"
@@ -184,8 +188,9 @@ def attention_path(implementation: str, dtype, masked: bool, length: int,
         why = f"cuDNN's fused attention takes bf16 or fp16, and compute is " \
               f"{jnp.dtype(dtype).name}"
     elif masked and length > CUDNN_BIAS_MAX_TOKENS:
-        return "blockwise", f"document masks at {length} tokens would reach cuDNN as a " \
-                            f"[B, N, L, L] bias (above {CUDNN_BIAS_MAX_TOKENS} tokens)"
+        path = "pallas" if flash.supported_head_dim(head_dim) else "blockwise"
+        return path, f"document masks at {length} tokens would reach cuDNN as a " \
+                     f"[B, N, L, L] bias (above {CUDNN_BIAS_MAX_TOKENS} tokens)"
     else:
         return "cudnn", "model.attention_impl=auto on a GPU"
     return without_cudnn(length, head_dim, why)
