@@ -92,6 +92,9 @@ HYDRA_MISTAKES = {
     "data.path=corpus.csv": "data.path=corpus.csv needs a data= group",
     "checkpoint.init_params_from=outputs/nope": "checkpoint.init_params_from=outputs/nope does "
                                                 "not exist",
+    "model.mesh_shape=[[1,2,1],[fsdp,cp,tp]] data.seq_len=33":
+        "data.seq_len=33 does not split into cp=2 equal chunks (model.mesh_shape); choose a "
+        "data.seq_len divisible by 2.",
     "training.global_batch_size=16 training.micro_batch_size=2":
         "training.global_batch_size=16 but training.micro_batch_size=2 × fsdp=1 × "
         "gradient_accumulation_steps=1 = 2; set only one of the two batch keys",

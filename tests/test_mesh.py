@@ -24,8 +24,23 @@ def test_a_pipeline_axis_is_optional_and_filled_like_the_others():
     assert mesh_lib.parse([[8, 1], ["fsdp", "tp"]], 8).pp == 1
     mesh = mesh_lib.create_mesh(mesh_lib.parse([[2, 2, 2], ["pp", "fsdp", "tp"]], 8))
     assert dict(mesh.shape) == {"pp": 2, "fsdp": 2, "tp": 2}
-    with pytest.raises(ConfigError, match=r"must be \['fsdp', 'tp'\] or \['pp', 'fsdp', 'tp'\]"):
+    with pytest.raises(ConfigError, match=r"must be \['fsdp', 'tp'\], with \"pp\" and/or \"cp\""):
         mesh_lib.parse([[2, 4], ["pp", "fsdp"]], 8)
+    with pytest.raises(ConfigError, match=r"each once"):
+        mesh_lib.parse([[2, 2, 2], ["cp", "fsdp", "cp"]], 8)
+
+
+def test_a_context_axis_sits_between_fsdp_and_tp_in_the_device_grid():
+    """cp communicates every attention layer: its groups are consecutive devices (one node's),
+    inside tp's neighbours, with fsdp spanning them and pp outermost."""
+    shape = mesh_lib.parse([[2, 2, -1, 1], ["pp", "fsdp", "cp", "tp"]], 8)
+    assert (shape.pp, shape.fsdp, shape.cp, shape.tp) == (2, 2, 2, 1)
+    mesh = mesh_lib.create_mesh(mesh_lib.parse([[2, 2, 2], ["fsdp", "cp", "tp"]], 8))
+    assert dict(mesh.shape) == {"fsdp": 2, "cp": 2, "tp": 2}
+    ids = [[[d.id for d in row] for row in block] for block in mesh.devices]
+    assert sorted(sum(sum(ids, []), [])) == list(range(8))
+    swapped = mesh_lib.create_mesh(mesh_lib.parse([[2, 2, 2], ["tp", "cp", "fsdp"]], 8))
+    assert (swapped.devices == mesh.devices.transpose(2, 1, 0)).all()
 
 
 @pytest.mark.parametrize("bad", [[[4], ["fsdp", "tp"]], [[4, 2], ["data", "tp"]], "4x2",

@@ -133,6 +133,7 @@ def validate(cfg: Config) -> None:
             f"training.gradient_accumulation_steps={accum}."
         )
     _validate_checkpoint(cfg.checkpoint)
+    _validate_context(cfg)
     _validate_trainer(cfg)
     _validate_lora(cfg.lora)
 
@@ -150,15 +151,33 @@ def _validate_trainer(cfg: Config) -> None:
         raise ConfigError(f"trainer={trainer} needs data={_TRAINER_DATA[trainer]} data.path="
                           f"<jsonl or parquet records>, not data={data}.")
     mesh = cfg.model.mesh_shape
-    if trainer != "default" and mesh is not None and "pp" in list(mesh[1]) and \
-            int(mesh[0][list(mesh[1]).index("pp")]) != 1:
+    if trainer != "default" and _mesh_size(cfg, "pp") != 1:
         raise ConfigError(f"model.mesh_shape={mesh} has pipeline stages, which trainer={trainer} "
                           f"does not support yet (the pipeline computes the next-token loss only); "
                           f"put those devices on fsdp or tp instead.")
+    if trainer != "default" and _mesh_size(cfg, "cp") != 1:
+        raise ConfigError(f"model.mesh_shape={mesh} splits sequences over cp, which "
+                          f"trainer={trainer} does not support yet; put those devices on fsdp or "
+                          f"tp instead.")
     if trainer == "dpo" and cfg.dpo.label_smoothing and cfg.dpo.loss != "sigmoid":
         raise ConfigError(f"dpo.label_smoothing={cfg.dpo.label_smoothing} applies to "
                           f"dpo.loss=sigmoid only, not {cfg.dpo.loss}; set it to 0.")
     _validate_grpo(cfg)
+
+
+def _mesh_size(cfg: Config, axis: str) -> int:
+    """The size `model.mesh_shape` gives `axis` (1 where it has no such axis; -1 unfilled)."""
+    mesh = cfg.model.mesh_shape
+    if mesh is None or axis not in list(mesh[1]):
+        return 1
+    return int(mesh[0][list(mesh[1]).index(axis)])
+
+
+def _validate_context(cfg: Config) -> None:
+    cp = _mesh_size(cfg, "cp")
+    if cp > 1 and cfg.data.seq_len % cp:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} does not split into cp={cp} equal "
+                          f"chunks (model.mesh_shape); choose a data.seq_len divisible by {cp}.")
 
 
 def _validate_grpo(cfg: Config) -> None:

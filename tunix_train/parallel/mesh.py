@@ -1,11 +1,13 @@
 """`model.mesh_shape` → `jax.sharding.Mesh`. The only module that spells the mesh axis names.
 
-`mesh_shape` is `[[sizes...], [names...]]`, e.g. `[[4, 2], ["fsdp", "tp"]]` or, with pipeline
-stages, `[[2, 2, 2], ["pp", "fsdp", "tp"]]`; one size may be -1 and is filled from the device
-count. None (the default) puts every device on fsdp. Devices are ordered so that `tp` groups
-stay inside one process (one host or GPU group), `fsdp` spans processes, and `pp` is outermost:
-tensor parallelism communicates every layer, data parallelism once per step, and pipeline
-stages only their boundary activations, so `pp` is the axis for the slowest links.
+`mesh_shape` is `[[sizes...], [names...]]`, e.g. `[[4, 2], ["fsdp", "tp"]]`, with pipeline
+stages `[[2, 2, 2], ["pp", "fsdp", "tp"]]`, with each sequence split over devices (context
+parallelism) `[[2, 2, 2], ["fsdp", "cp", "tp"]]`; one size may be -1 and is filled from the
+device count. None (the default) puts every device on fsdp. Devices are ordered so that `tp`
+groups stay inside one process (one host or GPU group), then `cp` groups, `fsdp` spans processes,
+and `pp` is outermost: tensor parallelism communicates every layer's activations, context
+parallelism every attention layer's keys and values, data parallelism once per layer's weights,
+and pipeline stages only their boundary activations, so `pp` is the axis for the slowest links.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from tunix_train.config import ConfigError
 FSDP = "fsdp"
 TP = "tp"
 PP = "pp"
-AXES = (FSDP, TP)  # always present; PP is optional
+CP = "cp"
+AXES = (FSDP, TP)  # always present; PP and CP are optional
+ORDER = (PP, FSDP, CP, TP)  # outermost to innermost in the device grid
 DEFAULT_SHAPE = [[-1, 1], [FSDP, TP]]  # model.mesh_shape=None: every device on fsdp
 
 log = logging.getLogger(__name__)
@@ -53,14 +57,18 @@ class MeshShape:
     def pp(self) -> int:
         return self.size(PP) if PP in self.names else 1
 
+    @property
+    def cp(self) -> int:
+        return self.size(CP) if CP in self.names else 1
+
 
 def parse(mesh_shape: Sequence[Any] | None, num_devices: int) -> MeshShape:
     """Checks `model.mesh_shape` against the device count and fills a single -1."""
     sizes, names = _split(DEFAULT_SHAPE if mesh_shape is None else mesh_shape)
-    if sorted(names) not in (sorted(AXES), sorted((PP, *AXES))):
+    if not set(AXES) <= set(names) <= set(ORDER) or len(set(names)) != len(names):
         raise ConfigError(
-            f"model.mesh_shape names {list(names)} must be {list(AXES)} or "
-            f"{[PP, *AXES]}, in some order."
+            f"model.mesh_shape names {list(names)} must be {list(AXES)}, with \"pp\" and/or "
+            f"\"cp\" beside them if wanted, each once, in some order."
         )
     if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
         raise ConfigError(
@@ -124,9 +132,10 @@ def create_mesh(shape: MeshShape, devices: Sequence[jax.Device] | None = None,
 
 def _device_grid(shape: MeshShape, devices: list[jax.Device], per_node: int) -> np.ndarray:
     """Device array in the order of `shape.names`: tp groups inside a process, else a node."""
-    if PP in shape.names:
-        grid = _pipeline_grid(shape, devices)
-        return grid.transpose([(PP, FSDP, TP).index(n) for n in shape.names])
+    if PP in shape.names or CP in shape.names:
+        grid = _ordered_grid(shape, devices)
+        present = [axis for axis in ORDER if axis in shape.names]
+        return grid.transpose([present.index(n) for n in shape.names])
     fsdp, tp = shape.fsdp, shape.tp
     nprocs = len({d.process_index for d in devices})
     local = len(devices) // nprocs
@@ -149,11 +158,13 @@ def _device_grid(shape: MeshShape, devices: list[jax.Device], per_node: int) -> 
     return grid if shape.names == AXES else grid.T
 
 
-def _pipeline_grid(shape: MeshShape, devices: list[jax.Device]) -> np.ndarray:
-    """[pp, fsdp, tp]: devices in (process, id) order, so tp is innermost (inside a process),
-    and pp outermost: consecutive processes (one node's) form a stage, stages span nodes."""
+def _ordered_grid(shape: MeshShape, devices: list[jax.Device]) -> np.ndarray:
+    """The axes present in ORDER ([pp, fsdp, cp, tp]): devices in (process, id) order, so tp is
+    innermost (inside a process), cp next, and pp outermost: consecutive processes (one node's)
+    form a stage, stages span nodes."""
+    sizes = tuple(shape.size(axis) for axis in ORDER if axis in shape.names)
     if len({d.process_index for d in devices}) == 1:
-        return mesh_utils.create_device_mesh((shape.pp, shape.fsdp, shape.tp), devices)
+        return mesh_utils.create_device_mesh(sizes, devices)
     grid = np.empty(len(devices), dtype=object)
     grid[:] = sorted(devices, key=lambda d: (d.process_index, d.id))
-    return grid.reshape(shape.pp, shape.fsdp, shape.tp)
+    return grid.reshape(sizes)

@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.models import families
-from tunix_train.parallel.mesh import FSDP, PP, TP
+from tunix_train.parallel.mesh import CP, FSDP, PP, TP
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,8 @@ RULES: dict[str, str | None] = {
     "lora_rank": None,  # a LoRA adapter's rank r: small, kept whole
     # Activations.
     "act_batch": FSDP,
-    "act_seq": None,
+    "act_seq": CP,  # context parallelism: each device holds a chunk of every sequence
+    "act_tokens": CP,  # [B·L] flattened tokens of the output head: chunks of them under cp
     "act_embed": None,
     "act_mlp": TP,
     "act_q_heads": TP,
@@ -91,10 +92,11 @@ def resolve_rules(model: ModelConfig, mesh: Mesh,
             f"known ones are {sorted(RULES)}."
         )
     rules = {**RULES, **model.sharding_rules}
-    if PP not in mesh.shape:
-        rules = {name: None if axis == PP else axis for name, axis in rules.items()}
-    elif rules["layers"] == PP and (families.layout(model).num_blocks % mesh.shape[PP]
-                                    or pipeline_repeats > 1):
+    for optional in (PP, CP):
+        if optional not in mesh.shape:
+            rules = {name: None if axis == optional else axis for name, axis in rules.items()}
+    if PP in mesh.shape and rules["layers"] == PP and (
+            families.layout(model).num_blocks % mesh.shape[PP] or pipeline_repeats > 1):
         # Blocks that do not divide into the stages, or a circular schedule's stages of chunks
         # apart: the stacks are stored whole over pp and ZeRO splits them over fsdp × pp
         # instead (spread_over_pp, parallel/pipeline.py).
@@ -193,8 +195,9 @@ def optimizer_shardings(
 
 
 def batch_sharding(mesh: Mesh, rules: Mapping[str, str | None], leading: int = 0) -> NamedSharding:
-    """[leading..., batch, seq] arrays: batch over the data axis, everything else replicated."""
-    return NamedSharding(mesh, P(*([None] * leading), rules.get("act_batch"), None))
+    """[leading..., batch, seq] arrays: batch over the data axis, each sequence over cp."""
+    return NamedSharding(mesh, P(*([None] * leading), rules.get("act_batch"),
+                                 rules.get("act_seq")))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
