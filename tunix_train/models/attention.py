@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tunix_train.config import LoraConfig, ModelConfig
-from tunix_train.models import blockwise, flash, kv_cache, lora, partitioning, rope
+from tunix_train.models import blockwise, context, flash, kv_cache, lora, partitioning, rope
 from tunix_train.models.family import Architecture
 from tunix_train.models.layers import RMSNorm, adapted, param, scaled_normal
 from tunix_train.models.partitioning import constrain
@@ -82,7 +82,10 @@ class Attention(nnx.Module):
 
     def _attention(self, q, k, v, segment_ids_BxL, window: int | None) -> jax.Array:
         """Causal attention by the path `attention_path` picks; the path taken is logged once
-        per process, and a cuDNN refusal under `auto` is a warning saying why."""
+        per process, and a cuDNN refusal under `auto` is a warning saying why. With the
+        sequence split over devices (cp) every path is models/context.py's."""
+        if partitioning.ways("act_seq") > 1:
+            return self._context(q, k, v, segment_ids_BxL, window)
         path, why = attention_path(self.implementation, q.dtype, segment_ids_BxL is not None,
                                     q.shape[1], q.shape[-1])
         if path == "cudnn":
@@ -146,6 +149,23 @@ class Attention(nnx.Module):
             functools.partial(flash.attention, scale=self.scale, window=window),
             (q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL),
             (heads, heads, heads, ("act_batch", None)), heads)
+
+    def _context(self, q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, window) -> jax.Array:
+        """models/context.py on each device's chunk of the sequence (and its heads, rows)."""
+        axis = partitioning.axis_of("act_seq")
+        _report_once(logging.INFO, f"attention: context parallel over {axis}="
+                                   f"{partitioning.ways('act_seq')} (keys and values "
+                                   f"all-gathered, models/context.py)")
+        N, K = q_BxLxNxH.shape[2], k_BxLxKxH.shape[2]
+        if K % partitioning.ways("act_q_heads"):  # one KV head: copied to each device's heads
+            k_BxLxKxH, v_BxLxKxH = (jnp.repeat(a, N // K, axis=2) for a in (k_BxLxKxH, v_BxLxKxH))
+        if segment_ids_BxL is None:
+            segment_ids_BxL = jnp.zeros(q_BxLxNxH.shape[:2], jnp.int32)
+        heads = ("act_batch", "act_seq", "act_q_heads", None)
+        return partitioning.per_device(
+            functools.partial(context.attention, axis=axis, scale=self.scale, window=window),
+            (q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL),
+            (heads, heads, heads, ("act_batch", "act_seq")), heads)
 
     def _output(self, out_BxLxNxH: jax.Array) -> jax.Array:
         out_BxLxNxH = constrain(out_BxLxNxH, ("act_batch", "act_seq", "act_q_heads", None))

@@ -62,7 +62,7 @@ def token_losses(x_TxD: jax.Array, table: Any, targets_T: jax.Array,
         table_VxD = materialize(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), chunk))
         logits_TxV = jnp.einsum("td,vd->tv", x_TxD, table_VxD.astype(x_TxD.dtype),
                                 preferred_element_type=jnp.float32)
-        logits_TxV = constrain(logits_TxV, (None, "act_vocab"))
+        logits_TxV = constrain(logits_TxV, ("act_tokens", "act_vocab"))
         new_max_T = jax.lax.stop_gradient(jnp.maximum(max_T, jnp.max(logits_TxV, axis=1)))
         sum_T = sum_T * jnp.exp(max_T - new_max_T) + jnp.sum(
             jnp.exp(logits_TxV - new_max_T[:, None]), axis=1)

@@ -52,14 +52,27 @@ def per_device(fn: Callable, args: tuple[jax.Array, ...],
         return fn(*args)
     spec = lambda names: P(*(axis_of.get(name) if name else None for name in names))  # noqa: E731
     return jax.shard_map(fn, in_specs=tuple(spec(names) for names in arg_axes),
-                         out_specs=spec(out_axes), axis_names=set(axis_of.values()),
+                         out_specs=spec(out_axes),
+                         axis_names=set(axis_of.values()) | _single_auto_axes(mesh),
                          check_vma=False)(*args)
+
+
+def _single_auto_axes(mesh) -> set[str]:
+    """Automatic axes of one device: manual too in `per_device`, which changes nothing they
+    compute but keeps XLA's CPU compiler from aborting (AllReducePromotion, XLA 0.10) on the
+    gradient sums of a train step whose only other automatic axis is split."""
+    return {axis for axis in mesh.auto_axes if mesh.shape[axis] == 1}
 
 
 def ways(name: str) -> int:
     """Into how many blocks `per_device` would split a dimension labelled `name` that divides."""
-    axis = _auto_axes([name]).get(name)
+    axis = axis_of(name)
     return jax.sharding.get_abstract_mesh().shape[axis] if axis else 1
+
+
+def axis_of(name: str) -> str | None:
+    """The mesh axis `per_device` would split a dimension labelled `name` over, if any."""
+    return _auto_axes([name]).get(name)
 
 
 def _auto_axes(names) -> dict[str, str]:

@@ -1,0 +1,92 @@
+"""Context parallelism (`cp`): each sequence split over devices, attention across the chunks
+(models/context.py), against dense attention and against the same run without cp."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+
+from helpers import TINY, compose_config, train_losses
+from tunix_train.models import context
+from tunix_train.training.setup import Setup
+
+
+@pytest.mark.parametrize("window,query_block", [(None, 512), (5, 512), (20, 4), (None, 8)])
+def test_chunked_attention_equals_dense_attention_and_its_gradients(window, query_block,
+                                                                     monkeypatch):
+    """fp32, 4 chunks of 16 tokens, packed documents, 4 query heads over 2 KV heads; a window
+    shorter than a chunk (5) reaches one chunk back at most, a longer one (20) two; queries
+    against a key chunk in one block or in blocks of 4 and 8."""
+    monkeypatch.setattr(context, "QUERY_BLOCK", query_block)
+    B, L, N, K, H, cp = 2, 64, 4, 2, 8, 4
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(B, L, N, H)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(B, L, K, H)), jnp.float32) for _ in range(2))
+    segments = jnp.asarray(np.sort(rng.integers(0, 4, size=(B, L)), axis=1))
+    mesh = jax.make_mesh((cp,), ("cp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:cp])
+    split = P(None, "cp")
+    chunked = jax.shard_map(
+        functools.partial(context.attention, axis="cp", scale=0.3, window=window), mesh=mesh,
+        in_specs=(split,) * 4, out_specs=split, check_vma=False)
+
+    def dense(q, k, v, segments):
+        mask = segments[:, None, :, None] == segments[:, None, None, :]
+        return jax.nn.dot_product_attention(
+            q, k, v, mask=mask, is_causal=True, scale=0.3,
+            local_window_size=(window - 1, 0) if window else None, implementation="xla")
+
+    cotangent = jnp.asarray(rng.normal(size=(B, L, N, H)), jnp.float32)
+
+    def outputs_and_grads(fn):
+        out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, segments), q, k, v)
+        return out, vjp(cotangent)
+
+    got, want = jax.jit(lambda: outputs_and_grads(chunked))(), outputs_and_grads(dense)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+
+
+COMMON = [*TINY, "model.num_layers=9", "model.global_every=2", "data.seq_len=1024",
+          "training.global_batch_size=4",
+          "model.attention_impl=blockwise"]
+
+
+@pytest.fixture(scope="module")
+def without_cp():
+    """fsdp 2 × tp 2 on 4 devices, no cp: the reference losses (3 steps, packed documents,
+    local layers of window 16 and global ones, 1,024 tokens)."""
+    cfg = compose_config(*COMMON, 'model.mesh_shape=[[2,1,2],["fsdp","cp","tp"]]')
+    losses, _ = train_losses(cfg, 3, jax.devices()[:4])
+    assert losses[-1] < losses[0]
+    return losses
+
+
+@pytest.mark.parametrize("mesh", [
+    '[[2,2,2],["fsdp","cp","tp"]]',
+    '[[1,4,2],["fsdp","cp","tp"]]',
+    '[[2,1,2,2],["pp","fsdp","cp","tp"]]',
+], ids=["fsdp2_cp2_tp2", "cp4_tp2", "pp2_cp2_tp2"])
+def test_cp_trains_with_the_losses_of_the_same_run_without_it(mesh, without_cp):
+    losses, _ = train_losses(compose_config(*COMMON, f"model.mesh_shape={mesh}"), 3)
+    np.testing.assert_allclose(losses, without_cp, rtol=1e-5)
+
+
+def test_cp_splits_the_sequence_and_its_activations_and_gathers_keys_and_values():
+    """Not a silently replicated sequence: the batch arrives in chunks, the compiled step
+    all-gathers keys and values over cp, and its temporaries (activations) shrink with cp."""
+    def compiled(cp: int):
+        cfg = compose_config(*TINY, "data.seq_len=1024", "training.global_batch_size=1",
+                             "model.attention_impl=blockwise",
+                             f'model.mesh_shape=[[1,{cp},1],["fsdp","cp","tp"]]')
+        setup = Setup.create(cfg, jax.devices()[:cp])
+        return setup, setup.compile_train_step()
+
+    setup, four = compiled(4)
+    assert setup.batch_sharding.shard_shape((1, 1, 1024)) == (1, 1, 256)
+    assert "all-gather" in four.as_text()
+    _, one = compiled(1)
+    temporaries = [c.memory_analysis().temp_size_in_bytes for c in (one, four)]
+    assert temporaries[1] < 0.5 * temporaries[0], temporaries
