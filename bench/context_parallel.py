@@ -13,14 +13,11 @@ the first one 1). Steps are timed in alternating rounds; the last line is JSON.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 
 import jax
 
-from tunix_train import cli
-from timing import timed
-from tunix_train.training.setup import Setup
+from timing import alternating_medians, train_stepper
 
 ROUNDS, STEPS_PER_ROUND, WARMUP = 5, 2, 1
 MODEL = ["model.num_layers=4", "model.global_every=2", "model.embed_dim=128",
@@ -32,30 +29,14 @@ MESHES = {"fsdp8": 'model.mesh_shape=[[8,1,1],["fsdp","cp","tp"]]',
           "fsdp2_cp4": 'model.mesh_shape=[[2,4,1],["fsdp","cp","tp"]]'}
 
 
-def stepper(overrides: list[str]):
-    setup = Setup.create(cli.compose(overrides))
-    step, batch, state = setup.train_step(), setup.random_batch(), [setup.fresh_state()]
-
-    def run():
-        state[0], metrics = step(state[0], batch)
-        return metrics["loss"]
-
-    return run
-
-
 def main(overrides: list[str]) -> dict:
-    runs = {name: stepper([*MODEL, *overrides, mesh]) for name, mesh in MESHES.items()}
-    for run in runs.values():
-        timed(run, WARMUP)
-    times = {name: [] for name in runs}
-    for _ in range(ROUNDS):  # alternating, so that machine noise hits both alike
-        for name, run in runs.items():
-            times[name].append(timed(run, STEPS_PER_ROUND))
-    median = {name: statistics.median(t) for name, t in times.items()}
+    runs = {name: train_stepper([*MODEL, *overrides, mesh])[1] for name, mesh in MESHES.items()}
+    median = alternating_medians(runs, WARMUP, ROUNDS, STEPS_PER_ROUND)
     ratio = median["fsdp2_cp4"] / median["fsdp8"]
     print(f"step: fsdp 8 {median['fsdp8'] * 1e3:.0f} ms, fsdp 2 × cp 4 "
           f"{median['fsdp2_cp4'] * 1e3:.0f} ms; cp / fsdp {ratio:.2f}")
-    result = {"step_s": {k: round(v, 4) for k, v in median.items()}, "cp_over_fsdp": round(ratio, 3),
+    result = {"step_s": {k: round(v, 4) for k, v in median.items()},
+              "cp_over_fsdp": round(ratio, 3),
               "devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind}
     print(json.dumps(result))
     return result

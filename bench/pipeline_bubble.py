@@ -19,14 +19,11 @@ pipeline's iterations): docs/performance.md has both. The last line is JSON.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 
 import jax
 
-from tunix_train import cli
-from timing import timed
-from tunix_train.training.setup import Setup
+from timing import alternating_medians, train_stepper
 
 ROUNDS, STEPS_PER_ROUND, WARMUP = 5, 2, 1
 MODEL = ["model.num_layers=8", "model.global_every=2", "model.embed_dim=128",
@@ -40,35 +37,19 @@ MICROBATCHES = (2, 4, 8)
 REPEATS = (1, 2)  # GPipe, and the circular schedule with 2 rounds (4 blocks: chunks of 1)
 
 
-def stepper(overrides: list[str]):
-    setup = Setup.create(cli.compose(overrides))
-    step, batch, state = setup.train_step(), setup.random_batch(), [setup.fresh_state()]
-
-    def run():
-        state[0], metrics = step(state[0], batch)
-        return metrics["loss"]
-
-    return setup, run
-
-
 def main(overrides: list[str]) -> dict:
     runs, plans = {}, {}
     for m in MICROBATCHES:
-        runs[("none", m)] = stepper([*MODEL, *overrides, NO_PP,
-                                     f"training.micro_batch_size={16 // m}",
-                                     f"training.gradient_accumulation_steps={m // 2}"])[1]
+        runs[("none", m)] = train_stepper([*MODEL, *overrides, NO_PP,
+                                           f"training.micro_batch_size={16 // m}",
+                                           f"training.gradient_accumulation_steps={m // 2}"])[1]
         for v in REPEATS:
-            setup, runs[(v, m)] = stepper([*MODEL, *overrides, PP2, "training.micro_batch_size=16",
-                                           f"training.pipeline_microbatches={m}",
-                                           f"training.pipeline_repeats={v}"])
+            setup, runs[(v, m)] = train_stepper([*MODEL, *overrides, PP2,
+                                                 "training.micro_batch_size=16",
+                                                 f"training.pipeline_microbatches={m}",
+                                                 f"training.pipeline_repeats={v}"])
             plans[(v, m)] = setup.options.pipeline
-    for run in runs.values():
-        timed(run, WARMUP)
-    times = {name: [] for name in runs}
-    for _ in range(ROUNDS):  # alternating, so that machine noise hits every variant alike
-        for name, run in runs.items():
-            times[name].append(timed(run, STEPS_PER_ROUND))
-    median = {name: statistics.median(t) for name, t in times.items()}
+    median = alternating_medians(runs, WARMUP, ROUNDS, STEPS_PER_ROUND)
     rows = []
     for v in REPEATS:
         for m in MICROBATCHES:

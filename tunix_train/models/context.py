@@ -48,7 +48,6 @@ def attention(q_BxCxNxH: jax.Array, k_BxCxKxH: jax.Array, v_BxCxKxH: jax.Array,
     k_BxLxKxH, v_BxLxKxH, segments_BxL = (
         lax.all_gather(a, axis, axis=1, tiled=True)
         for a in (k_BxCxKxH, v_BxCxKxH, segment_ids_BxC))
-    q_positions = c * C + jnp.arange(C)
 
     # Queries go against a key chunk a block at a time: scores exist as [b, C] tiles, never
     # [C, C] (4.3 GB per head group at C = 16,384), and each block is recomputed backwards.
