@@ -137,13 +137,8 @@ class Attention(nnx.Module):
     def _pallas(self, q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, window) -> jax.Array:
         """models/flash.py's kernels on each device's rows and heads (XLA cannot partition a
         Pallas call: it would gather all of them onto every device)."""
-        N, K = q_BxLxNxH.shape[2], k_BxLxKxH.shape[2]
-        if K % partitioning.ways("act_q_heads"):
-            # The query heads split over devices, their KV heads cannot (one KV head): each
-            # device's kernel gets its own heads' copies.
-            k_BxLxKxH, v_BxLxKxH = (jnp.repeat(a, N // K, axis=2) for a in (k_BxLxKxH, v_BxLxKxH))
-        if segment_ids_BxL is None:
-            segment_ids_BxL = jnp.zeros(q_BxLxNxH.shape[:2], jnp.int32)
+        k_BxLxKxH, v_BxLxKxH, segment_ids_BxL = _per_device_inputs(
+            q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL)
         heads = ("act_batch", None, "act_q_heads", None)
         return partitioning.per_device(
             functools.partial(flash.attention, scale=self.scale, window=window),
@@ -156,11 +151,8 @@ class Attention(nnx.Module):
         _report_once(logging.INFO, f"attention: context parallel over {axis}="
                                    f"{partitioning.ways('act_seq')} (keys and values "
                                    f"all-gathered, models/context.py)")
-        N, K = q_BxLxNxH.shape[2], k_BxLxKxH.shape[2]
-        if K % partitioning.ways("act_q_heads"):  # one KV head: copied to each device's heads
-            k_BxLxKxH, v_BxLxKxH = (jnp.repeat(a, N // K, axis=2) for a in (k_BxLxKxH, v_BxLxKxH))
-        if segment_ids_BxL is None:
-            segment_ids_BxL = jnp.zeros(q_BxLxNxH.shape[:2], jnp.int32)
+        k_BxLxKxH, v_BxLxKxH, segment_ids_BxL = _per_device_inputs(
+            q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL)
         heads = ("act_batch", "act_seq", "act_q_heads", None)
         return partitioning.per_device(
             functools.partial(context.attention, axis=axis, scale=self.scale, window=window),
@@ -170,6 +162,18 @@ class Attention(nnx.Module):
     def _output(self, out_BxLxNxH: jax.Array) -> jax.Array:
         out_BxLxNxH = constrain(out_BxLxNxH, ("act_batch", "act_seq", "act_q_heads", None))
         return adapted(self, "o", out_BxLxNxH, contract=2)
+
+
+def _per_device_inputs(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL):
+    """Keys, values and segment ids for a `partitioning.per_device` call: where the query heads
+    split over devices and their KV heads cannot (one KV head), each device gets its own heads'
+    copies; no documents become one segment."""
+    N, K = q_BxLxNxH.shape[2], k_BxLxKxH.shape[2]
+    if K % partitioning.ways("act_q_heads"):
+        k_BxLxKxH, v_BxLxKxH = (jnp.repeat(a, N // K, axis=2) for a in (k_BxLxKxH, v_BxLxKxH))
+    if segment_ids_BxL is None:
+        segment_ids_BxL = jnp.zeros(q_BxLxNxH.shape[:2], jnp.int32)
+    return k_BxLxKxH, v_BxLxKxH, segment_ids_BxL
 
 
 _PATHS = {"blockwise": "blockwise", "xla": "XLA, [B, N, L, L] scores",
