@@ -156,7 +156,7 @@ def from_hlo(module: hlo.Module, mesh: Mesh, gradient_bytes: float | None = None
     report = CommReport(sorted(rows.values(), key=lambda c: (c.phase, c.kind, c.axis)),
                         warnings=module.warnings)
     if gradient_bytes:
-        # Over fsdp, or over fsdp and pp together (pipeline meshes: sharding.spread_over_pp).
+        # Over fsdp, or over fsdp and pp together (pipeline meshes: sharding.spread_over_ranks).
         synced = sum(c.bytes for c in report.collectives if c.phase == "gradient sync"
                      and c.kind in ("reduce-scatter", "all-reduce")
                      and FSDP in c.axis.split("+"))

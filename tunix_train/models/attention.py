@@ -84,7 +84,7 @@ class Attention(nnx.Module):
         """Causal attention by the path `attention_path` picks; the path taken is logged once
         per process, and a cuDNN refusal under `auto` is a warning saying why. With the
         sequence split over devices (cp) every path is models/context.py's."""
-        if partitioning.ways("act_seq") > 1:
+        if partitioning.split_over("act_seq")[1] > 1:
             return self._context(q, k, v, segment_ids_BxL, window)
         path, why = attention_path(self.implementation, q.dtype, segment_ids_BxL is not None,
                                     q.shape[1], q.shape[-1])
@@ -147,10 +147,9 @@ class Attention(nnx.Module):
 
     def _context(self, q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, window) -> jax.Array:
         """models/context.py on each device's chunk of the sequence (and its heads, rows)."""
-        axis = partitioning.axis_of("act_seq")
-        _report_once(logging.INFO, f"attention: context parallel over {axis}="
-                                   f"{partitioning.ways('act_seq')} (keys and values "
-                                   f"all-gathered, models/context.py)")
+        axis, ways = partitioning.split_over("act_seq")
+        _report_once(logging.INFO, f"attention: context parallel over {axis}={ways} (keys and "
+                                   f"values all-gathered, models/context.py)")
         k_BxLxKxH, v_BxLxKxH, segment_ids_BxL = _per_device_inputs(
             q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL)
         heads = ("act_batch", "act_seq", "act_q_heads", None)

@@ -22,13 +22,16 @@ def active_rules() -> dict[str, str | None]:
 
 
 def constrain(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
-    """Sharding constraint by logical names; axes that do not divide evenly stay unsharded."""
+    """Sharding constraint by logical names; axes that do not divide evenly stay unsharded, and
+    axes already manual (inside a shard_map over them: the dimension is this device's block)
+    are left out."""
     rules = active_rules()
     mesh = jax.sharding.get_abstract_mesh()
     if not rules or mesh.empty:
         return x
     axes = [rules.get(name) if name else None for name in logical_axes]
-    axes = [a if a and dim % mesh.shape[a] == 0 else None for a, dim in zip(axes, x.shape)]
+    axes = [a if a and a not in mesh.manual_axes and dim % mesh.shape[a] == 0 else None
+            for a, dim in zip(axes, x.shape)]
     return jax.lax.with_sharding_constraint(x, P(*axes))
 
 
@@ -68,6 +71,17 @@ def ways(name: str) -> int:
     """Into how many blocks `per_device` would split a dimension labelled `name` that divides."""
     axis = axis_of(name)
     return jax.sharding.get_abstract_mesh().shape[axis] if axis else 1
+
+
+def split_over(name: str) -> tuple[str | None, int]:
+    """(mesh axis, its size) a dimension labelled `name` is split over on more than one device,
+    whether XLA partitions that axis or a shard_map around this code already made it manual
+    (cp in the train step, parallel/fsdp.py); (None, 1) if none."""
+    axis = active_rules().get(name)
+    mesh = jax.sharding.get_abstract_mesh()
+    if axis is None or mesh.empty or axis not in mesh.shape or mesh.shape[axis] == 1:
+        return None, 1
+    return axis, mesh.shape[axis]
 
 
 def axis_of(name: str) -> str | None:

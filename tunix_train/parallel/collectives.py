@@ -1,8 +1,9 @@
 """One parameter inside the train step's shard_map: the collectives that fetch it for compute
 and reduce its gradient, as custom VJPs (parallel/fsdp.py builds the step's gradients on them).
 
-    fetch         all-gather a shard over fsdp (and pp) in the compute dtype; backward: reduce
-                  the gradient (reduce-scatter where it is sharded, else all-reduce)
+    fetch         all-gather a shard over fsdp (and cp, pp) in the compute dtype; backward:
+                  reduce the gradient over fsdp and cp (reduce-scatter where it is sharded,
+                  else all-reduce)
     fetch_stage   a pipeline stage's rows of a layer stack stored whole over pp
     take          rows of an embedding table: ids and rows travel, never the [V, D] gradient
 
@@ -43,6 +44,9 @@ class How:
     compute_dtype: Any  # the shard is cast to it before the gather: bf16 gathers, no bf16 copy
     reduce_dtype: Any
     grad_dtype: Any
+    # The axes whose devices compute on different tokens, over which every gradient is summed:
+    # fsdp, and cp where the step's shard_map is manual over it (parallel/fsdp.py).
+    data_group: tuple[str, ...] = (FSDP,)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["param", "target"],
@@ -81,7 +85,8 @@ def _fetch_bwd(how: How, _, grad: jax.Array):
     if how.reduce:
         with jax.named_scope(SYNC_SCOPE):
             grad = blockwise(lambda g: reduce_one(g.astype(how.reduce_dtype), how.scatter_axis,
-                                                    how.scatter_group, how.over_pp),
+                                                    how.scatter_group, how.over_pp,
+                                                    how.data_group),
                               how.tp_spec)(grad)
     return None, grad.astype(how.grad_dtype)
 
@@ -154,13 +159,14 @@ def _fetch_stage(param: jax.Array, target: jax.Array, how: How, stages: int, row
     del target, total
 
     def gather(p):
-        if PP in how.gather_group:  # column blocks in fsdp-major order: (f, stage)
+        if PP in how.gather_group:  # column blocks in (fsdp, cp)-major order: (f, c, stage)
             p = jax.lax.all_to_all(p.reshape(stages, rows, *p.shape[1:]), PP, split_axis=0,
                                    concat_axis=how.gather_axis + 1, tiled=True)[0]
         else:
             p = jax.lax.dynamic_slice_in_dim(p, jax.lax.axis_index(PP) * rows, rows)
         if how.gather_axis is not None:
-            p = jax.lax.all_gather(p, FSDP, axis=how.gather_axis, tiled=True)
+            p = jax.lax.all_gather(p, _without_pp(how.gather_group), axis=how.gather_axis,
+                                   tiled=True)
         return p
 
     return blockwise(gather, how.tp_spec)(param[:stages * rows].astype(how.compute_dtype))
@@ -173,9 +179,11 @@ def _fetch_stage_fwd(param, target, how, stages, rows, total):
 def _fetch_stage_bwd(how: How, stages: int, rows: int, total: int, _, grad: jax.Array):
     def reduce(g):
         if how.scatter_axis is None:
-            g = jax.lax.psum(g, FSDP)
+            g = jax.lax.psum(g, how.data_group)
         else:
-            g = jax.lax.psum_scatter(g, FSDP, scatter_dimension=how.scatter_axis, tiled=True)
+            g = jax.lax.psum_scatter(g, _without_pp(how.scatter_group),
+                                     scatter_dimension=how.scatter_axis, tiled=True)
+            g = _summed_over_rest(g, how.data_group, how.scatter_group)
             if PP in how.scatter_group:
                 g = jax.lax.all_to_all(g[None], PP, split_axis=how.scatter_axis + 1,
                                        concat_axis=0, tiled=True)
@@ -197,11 +205,23 @@ def _fetch_stage_bwd(how: How, stages: int, rows: int, total: int, _, grad: jax.
 _fetch_stage.defvjp(_fetch_stage_fwd, _fetch_stage_bwd)
 
 
+def _without_pp(group: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(a for a in group if a != PP)
+
+
+def _summed_over_rest(grad: jax.Array, data_group: tuple[str, ...],
+                      scatter_group: tuple[str, ...]) -> jax.Array:
+    """A gradient reduce-scattered over `scatter_group`, summed over the data-parallel axes
+    that group leaves out (cp, where a dimension splits over fsdp but not fsdp × cp)."""
+    rest = tuple(a for a in data_group if a not in scatter_group)
+    return jax.lax.psum(grad, rest) if rest else grad
+
+
 # The embedding lookup. A [V, D] gradient of a few hundred looked-up rows would be almost all
 # zeros, and reducing it over fsdp would move the whole table: instead, rows and their
 # gradients travel between devices (all-to-all), a few megabytes, and each device adds the
 # gradient rows into its own shard. Tables are sharded over fsdp (and pp: sharding.
-# spread_over_pp) along D (axis 1), if at all; on a pipeline mesh every stage looks up the same
+# spread_over_ranks) along D (axis 1), if at all; on a pipeline mesh every stage looks up the same
 # rows, and only the first stage's lookup has a gradient.
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -225,7 +245,7 @@ def _take_fwd(param, target, ids_T, how, vocab):
 def _take_bwd(how: How, vocab: int, ids_T: jax.Array, grad_TxD: jax.Array):
     rows, ids = grad_TxD, ids_T  # unreduced (sync_every > 1): this device's own rows
     if how.reduce:  # every device's gradient rows, in all columns or in this device's own
-        group = how.scatter_group or (FSDP,)
+        group = how.scatter_group or how.data_group
         ids = jax.lax.all_gather(ids_T, group, tiled=True)
         with jax.named_scope(SYNC_SCOPE):
             rows = grad_TxD.astype(how.reduce_dtype)
@@ -236,6 +256,9 @@ def _take_bwd(how: How, vocab: int, ids_T: jax.Array, grad_TxD: jax.Array):
             else:
                 rows = jax.lax.all_to_all(rows[None], group, split_axis=2, concat_axis=0,
                                           tiled=True).reshape(ids.shape[0], -1)
+            rest = tuple(a for a in how.data_group if a not in group)
+            if rest:  # the rows of the data-parallel devices outside the group (cp) as well
+                ids, rows = (jax.lax.all_gather(a, rest, tiled=True) for a in (ids, rows))
     grad = jax.ops.segment_sum(rows.astype(jnp.float32), ids, num_segments=vocab)
     return None, grad.astype(how.grad_dtype), None
 
@@ -244,15 +267,17 @@ _take.defvjp(_take_fwd, _take_bwd)
 
 
 def reduce_one(grad: jax.Array, scatter_axis: int | None, scatter_group: tuple[str, ...],
-                over_pp: bool = False) -> jax.Array:
-    """The sum over fsdp, scattered along `scatter_axis` over `scatter_group` (fsdp, or fsdp
-    and pp) if there is one, and a sum over pp too if asked."""
+                over_pp: bool = False, data_group: tuple[str, ...] = (FSDP,)) -> jax.Array:
+    """The sum over the data-parallel axes (`data_group`: fsdp, and cp where it is manual),
+    scattered along `scatter_axis` over `scatter_group` (a part of them, and pp where it is
+    spread over pp) if there is one, and a sum over pp too if asked."""
     def reduce(grad):
         if scatter_axis is None:
-            grad = jax.lax.psum(grad, FSDP)
+            grad = jax.lax.psum(grad, data_group)
         else:
             grad = jax.lax.psum_scatter(grad, scatter_group, scatter_dimension=scatter_axis,
                                         tiled=True)
+            grad = _summed_over_rest(grad, data_group, scatter_group)
         return jax.lax.psum(grad, PP) if over_pp else grad
 
     return cpu_safe_reduction(reduce)(grad)

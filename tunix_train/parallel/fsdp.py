@@ -28,7 +28,7 @@ On a mesh with pipeline stages (`pp`, parallel/pipeline.py) the shard_map is man
 too: a stage's block stacks arrive as its own slices and are fetched whole once per
 micro-batch (`FsdpHook.materialize_stack`); what every stage uses (embedding, final norm,
 trailing layers) is split over fsdp and pp together where ZeRO splits it (sharding.
-spread_over_pp): it is gathered and reduce-scattered over both axes, and where its gradient is
+spread_over_ranks): it is gathered and reduce-scattered over both axes, and where its gradient is
 not split, summed over pp after fsdp.
 
 LoRA's frozen base (parallel/layout.py) comes in as a second tree: fetched like any parameter
@@ -55,7 +55,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tunix_train.models import params as model_params
 from tunix_train.parallel.collectives import SYNC_SCOPE, Fetch, FsdpHook, How, blockwise, reduce_one
 from tunix_train.parallel.layout import merged
-from tunix_train.parallel.mesh import FSDP, PP
+from tunix_train.parallel.mesh import CP, FSDP, PP
 
 
 @dataclass(frozen=True)
@@ -89,8 +89,18 @@ class GradientSync:
         return self.sync_every == 1
 
     @property
+    def cp(self) -> int:
+        return self.mesh.shape.get(CP, 1)
+
+    @property
     def manual_axes(self) -> set[str]:
-        return {FSDP, PP} if self.pp > 1 else {FSDP}
+        return {FSDP} | ({PP} if self.pp > 1 else set()) | ({CP} if self.cp > 1 else set())
+
+    @property
+    def data_group(self) -> tuple[str, ...]:
+        """The axes whose devices compute on different tokens: every gradient is summed over
+        them (fsdp's rows, cp's chunks of each row)."""
+        return (FSDP, CP) if self.cp > 1 else (FSDP,)
 
     @property
     def reductions_per_step(self) -> int:
@@ -112,7 +122,7 @@ def _names(entry: Any) -> tuple[str, ...]:
 
 
 def _fsdp_axis(spec: P) -> int | None:
-    """The dimension split over fsdp (alone, or with pp: sharding.spread_over_pp)."""
+    """The dimension split over fsdp (alone, or with pp: sharding.spread_over_ranks)."""
     return next((i for i, axis in enumerate(spec) if FSDP in _names(axis)), None)
 
 
@@ -121,7 +131,7 @@ def _fsdp_group(spec: P) -> tuple[str, ...]:
     return () if axis is None else _names(spec[axis])
 
 
-_MANUAL = (FSDP, PP)  # the shard_map's manual axes (pp only on pipeline meshes)
+_MANUAL = (FSDP, PP, CP)  # the shard_map's manual axes (pp, cp only on meshes with them)
 
 
 def _is_manual(entry: Any) -> bool:
@@ -129,7 +139,8 @@ def _is_manual(entry: Any) -> bool:
 
 
 def _manual_only(spec: P) -> P:
-    """The manual (fsdp, pp) part of a spec: shard_map's in/out specs name only manual axes."""
+    """The manual (fsdp, pp, cp) part of a spec: shard_map's in/out specs name only manual
+    axes."""
     return P(*(axis if _is_manual(axis) else None for axis in spec))
 
 
@@ -163,7 +174,8 @@ def _hows(sync: GradientSync, params: Any) -> Any:
                     _fsdp_group(param_spec), _fsdp_group(grad_spec),
                     _without_fsdp(param_spec, shift), reduce,
                     _summed_over_pp(sync, grad_spec),
-                    sync.compute_dtype, sync.reduce_dtype, _local_dtype(sync, reduce))
+                    sync.compute_dtype, sync.reduce_dtype, _local_dtype(sync, reduce),
+                    sync.data_group)
 
     return jax.tree.map(how, params, sync.param_specs, sync.grad_specs, sync.stacked)
 
@@ -211,7 +223,8 @@ def _reduce_all(sync: GradientSync, grads: Any) -> Any:
     gradient on each stage: those shares are summed over pp too."""
     def reduce(grad, spec):
         return blockwise(lambda g: reduce_one(g.astype(sync.reduce_dtype), _fsdp_axis(spec),
-                                                _fsdp_group(spec), _summed_over_pp(sync, spec)),
+                                                _fsdp_group(spec), _summed_over_pp(sync, spec),
+                                                sync.data_group),
                           _without_fsdp(spec))(grad).astype(jnp.float32)
 
     with jax.named_scope(SYNC_SCOPE):
@@ -230,7 +243,8 @@ def accumulated_gradients(sync: GradientSync, loss_fn: Callable, params: Any, ba
     "tokens" entry is what the caller divides by (the train step's token count).
     """
     spec_of = lambda specs: jax.tree.map(_manual_only, specs, is_leaf=lambda x: isinstance(x, P))  # noqa: E731
-    batch_spec = P(None, FSDP)  # every stage of a pipeline sees its fsdp shard's rows
+    # Every stage of a pipeline sees its fsdp shard's rows; under cp, its chunk of each row.
+    batch_spec = P(None, FSDP, CP) if sync.cp > 1 else P(None, FSDP)
     frozen_spec = None if frozen is None else spec_of(sync.frozen_specs)
     return jax.shard_map(
         functools.partial(_device_gradients, sync, loss_fn, params),
@@ -305,7 +319,7 @@ def _frozen_fetches(sync: GradientSync, local_frozen: Any) -> Any:
             gather = _fsdp_axis(spec)
             how = How(None if gather is None else gather - shift, None, _fsdp_group(spec), (),
                       _without_fsdp(spec, shift), False, False, leaf.dtype, sync.reduce_dtype,
-                      leaf.dtype)
+                      leaf.dtype, sync.data_group)
             return Fetch(leaf, leaf, how)
         return jax.tree.map(one, leaves, specs, is_leaf=lambda x: isinstance(x, P))
 

@@ -113,7 +113,7 @@ class ParamLayout:
         abstract = nnx.to_pure_dict(variables)
 
         def shardings(rules_of_state):
-            return sharding.spread_over_pp(nnx.to_pure_dict(
+            return sharding.spread_over_ranks(nnx.to_pure_dict(
                 sharding.state_shardings(variables, mesh, rules_of_state)), abstract, mesh)
 
         stacked = nnx.to_pure_dict(nnx.map_state(

@@ -43,7 +43,7 @@ is used. The output head and the loss are the largest single cost after the bloc
 the stages (a reduce-scatter over pp) and each stage computes the trailing layers, the head and
 the loss of M / pp micro-batches. Everything outside the blocks is therefore used by every
 stage, and its gradient is summed over pp (parallel/collectives.py); it is stored as ZeRO says over
-all the devices that use it, fsdp × pp (sharding.spread_over_pp), so that per-device bytes of
+all the devices that use it, fsdp × pp (sharding.spread_over_ranks), so that per-device bytes of
 parameters (ZeRO-3), gradients (2) and optimizer state (1) halve from pp=1 to pp=2.
 """
 

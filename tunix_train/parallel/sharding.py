@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
@@ -99,7 +100,7 @@ def resolve_rules(model: ModelConfig, mesh: Mesh,
             families.layout(model).num_blocks % mesh.shape[PP] or pipeline_repeats > 1):
         # Blocks that do not divide into the stages, or a circular schedule's stages of chunks
         # apart: the stacks are stored whole over pp and ZeRO splits them over fsdp × pp
-        # instead (spread_over_pp, parallel/pipeline.py).
+        # instead (spread_over_ranks, parallel/pipeline.py).
         rules["layers"] = None
     dims = logical_dims(model)
     for name, axis in rules.items():
@@ -204,35 +205,47 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def spread_over_pp(shardings: Any, abstract: Any, mesh: Mesh) -> Any:
-    """On a pipeline mesh, what every stage holds (embedding, final norm, trailing layers) is
-    split over pp as well wherever it is split over fsdp: ZeRO over all fsdp × pp devices
-    that hold a copy, since its gradient is summed over pp as over fsdp. Per-device parameter
-    (ZeRO-3), gradient (2) and optimizer (1) bytes then halve from pp=1 to pp=2 like the
-    pipelined blocks'. A dimension fsdp · pp does not divide stays split over fsdp alone."""
-    pp, fsdp = mesh.shape.get(PP, 1), mesh.shape[FSDP]
+def spread_over_ranks(shardings: Any, abstract: Any, mesh: Mesh) -> Any:
+    """What ZeRO splits over fsdp, split over every data-parallel device that holds it:
+
+    - over cp too (context parallelism): a cp device computes gradients of its own tokens, so
+      it is a data-parallel rank for the weights (parallel/fsdp.py reduces over fsdp × cp),
+      and adding cp never adds parameter, gradient or optimizer bytes per device;
+    - over pp too, on a pipeline mesh, for what every stage holds (embedding, final norm,
+      trailing layers, stacks whose blocks do not divide into the stages): its gradient is
+      summed over pp as over fsdp. Per-device parameter (ZeRO-3), gradient (2) and optimizer
+      (1) bytes then halve from pp=1 to pp=2 like the pipelined blocks'.
+
+    The group is (fsdp, cp, pp) in that order (collectives.py's `_fetch_stage` gathers over pp
+    first); a dimension the whole group does not divide drops pp, then cp, and stays split over
+    fsdp alone if nothing else divides it (the reduction then sums over the rest)."""
+    pp, cp, fsdp = mesh.shape.get(PP, 1), mesh.shape.get(CP, 1), mesh.shape[FSDP]
 
     def spread(s: NamedSharding, leaf: Any) -> NamedSharding:
         spec = tuple(s.spec)
-        if pp == 1 or PP in spec or FSDP not in spec:
+        if FSDP not in spec:
             return s
         dim = spec.index(FSDP)
-        if leaf.shape[dim] % (fsdp * pp):
-            return s
-        return NamedSharding(mesh, P(*spec[:dim], (FSDP, PP), *spec[dim + 1:]),
-                             memory_kind=s.memory_kind)
+        over_pp = pp > 1 and PP not in spec
+        groups = [(FSDP, CP, PP), (FSDP, CP), (FSDP, PP)]
+        groups = [g for g in groups if (CP not in g or cp > 1) and (PP not in g or over_pp)]
+        for group in groups:
+            if leaf.shape[dim] % math.prod(mesh.shape[a] for a in group) == 0:
+                return NamedSharding(mesh, P(*spec[:dim], group, *spec[dim + 1:]),
+                                     memory_kind=s.memory_kind)
+        return s
 
     return jax.tree.map(spread, shardings, abstract)
 
 
 def gathered_over_fsdp(shardings: Any) -> Any:
-    """The same shardings with fsdp removed: a whole copy on every fsdp shard, split over tp
-    only (what decoding wants: no gather per generated token)."""
+    """The same shardings with fsdp (and cp) removed: a whole copy on every fsdp shard, split
+    over tp only (what decoding wants: no gather per generated token)."""
     def without(axis):
         if isinstance(axis, tuple):
-            kept = tuple(a for a in axis if a != FSDP)
+            kept = tuple(a for a in axis if a not in (FSDP, CP))
             return kept if len(kept) > 1 else (kept[0] if kept else None)
-        return None if axis == FSDP else axis
+        return None if axis in (FSDP, CP) else axis
 
     def gathered(s: NamedSharding) -> NamedSharding:
         return NamedSharding(s.mesh, P(*(without(axis) for axis in s.spec)))
