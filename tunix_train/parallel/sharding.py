@@ -219,7 +219,7 @@ def spread_over_ranks(shardings: Any, abstract: Any, mesh: Mesh) -> Any:
     The group is (fsdp, cp, pp) in that order (collectives.py's `_fetch_stage` gathers over pp
     first); a dimension the whole group does not divide drops pp, then cp, and stays split over
     fsdp alone if nothing else divides it (the reduction then sums over the rest)."""
-    pp, cp, fsdp = mesh.shape.get(PP, 1), mesh.shape.get(CP, 1), mesh.shape[FSDP]
+    pp, cp = mesh.shape.get(PP, 1), mesh.shape.get(CP, 1)
 
     def spread(s: NamedSharding, leaf: Any) -> NamedSharding:
         spec = tuple(s.spec)
