@@ -14,13 +14,13 @@ from tunix_train.models import context
 from tunix_train.training.setup import Setup
 
 
-@pytest.mark.parametrize("window,query_block", [(None, 512), (5, 512), (20, 4), (None, 8)])
-def test_chunked_attention_equals_dense_attention_and_its_gradients(window, query_block,
+@pytest.mark.parametrize("window,block", [(None, None), (5, None), (20, 4), (None, 8)])
+def test_chunked_attention_equals_dense_attention_and_its_gradients(window, block,
                                                                      monkeypatch):
     """fp32, 4 chunks of 16 tokens, packed documents, 4 query heads over 2 KV heads; a window
     shorter than a chunk (5) reaches one chunk back at most, a longer one (20) two; queries
-    against a key chunk in one block or in blocks of 4 and 8."""
-    monkeypatch.setattr(context, "QUERY_BLOCK", query_block)
+    and keys in tiles of a whole chunk (16 tokens), of 4 and of 8."""
+    monkeypatch.setattr(context, "BLOCK", block)
     B, L, N, K, H, cp = 2, 64, 4, 2, 8, 4
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.normal(size=(B, L, N, H)), jnp.float32)
