@@ -10,16 +10,16 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 from helpers import TINY, compose_config, train_losses
-from tunix_train.models import context
+from tunix_train.models import blockwise, context
 from tunix_train.training.setup import Setup
 
 
-@pytest.mark.parametrize("window,block", [(None, None), (5, None), (20, 4), (None, 8)])
+@pytest.mark.parametrize("window,block", [(None, None), (5, None), (20, 4), (None, 4)])
 def test_chunked_attention_equals_dense_attention_and_its_gradients(window, block,
                                                                      monkeypatch):
-    """fp32, 4 chunks of 16 tokens, packed documents, 4 query heads over 2 KV heads; a window
-    shorter than a chunk (5) reaches one chunk back at most, a longer one (20) two; queries
-    and keys in tiles of a whole chunk (16 tokens), of 4 and of 8."""
+    """fp32, 4 devices of two 8-token pieces each (balanced), packed documents, 4 query heads
+    over 2 KV heads; a window shorter than a piece (5) reaches one piece back at most, a longer
+    one (20) three; queries and keys in tiles of a whole piece (8 tokens) and of 4."""
     monkeypatch.setattr(context, "BLOCK", block)
     B, L, N, K, H, cp = 2, 64, 4, 2, 8, 4
     rng = np.random.default_rng(0)
@@ -28,9 +28,14 @@ def test_chunked_attention_equals_dense_attention_and_its_gradients(window, bloc
     segments = jnp.asarray(np.sort(rng.integers(0, 4, size=(B, L)), axis=1))
     mesh = jax.make_mesh((cp,), ("cp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:cp])
     split = P(None, "cp")
-    chunked = jax.shard_map(
+    on_devices = jax.shard_map(
         functools.partial(context.attention, axis="cp", scale=0.3, window=window), mesh=mesh,
         in_specs=(split,) * 4, out_specs=split, check_vma=False)
+    order = context.balanced_order(L, cp)
+
+    def chunked(*arrays):  # into the devices' order and back (the train step's batch is)
+        out = on_devices(*(jnp.take(a, order, axis=1) for a in arrays))
+        return jnp.take(out, np.argsort(order), axis=1)
 
     def dense(q, k, v, segments):
         mask = segments[:, None, :, None] == segments[:, None, None, :]
@@ -115,3 +120,14 @@ def test_cp_devices_compute_their_own_tokens_share_of_every_weight_gradient():
 
     fsdp, cp = flops('[[4,1,1],["fsdp","cp","tp"]]'), flops('[[1,4,1],["fsdp","cp","tp"]]')
     assert cp < 1.2 * fsdp, (cp, fsdp)
+
+
+def test_every_cp_device_gets_the_same_causal_work():
+    """Device c holds pieces c and 2·cp − 1 − c of 2·cp: the attention tiles it visits (an
+    early piece's few, a late one's many) add up to the same count on every device, where
+    contiguous chunks would give device c c + 1 chunks' worth."""
+    cp, pieces_per_device, tile = 4, 2, 64
+    order = context.balanced_order(2 * cp * tile, cp).reshape(cp, pieces_per_device, tile)
+    tiles = [sum(len(blockwise._Tiles(tile, None, 1.0, int(piece[0]) // tile).pairs(1)[0])
+                 for piece in device) for device in order]
+    assert tiles == [2 * cp + 1] * cp, tiles

@@ -160,12 +160,20 @@ def test_sigterm_then_restart_gives_the_uninterrupted_losses_bitwise(reference, 
     assert_bitwise(run_dir, reference, range(5, STEPS + 1))
 
 
-def test_saved_on_4x2_resumed_on_8x1_with_another_zero_stage(reference, cache, tmp_path):
+@pytest.mark.parametrize("saved,resumed,mesh", [
+    (mesh_arg(4, 2), mesh_arg(8, 1), "fsdp=8 × tp=1"),
+    # State sharded over fsdp × cp (ZeRO over both), resumed with sequences split 4 ways.
+    ('model.mesh_shape=[[2,2,2],["fsdp","cp","tp"]]',
+     'model.mesh_shape=[[1,4,2],["fsdp","cp","tp"]]', "fsdp=1 × cp=4 × tp=2"),
+], ids=["fsdp4_tp2_to_fsdp8", "cp2_to_cp4"])
+def test_saved_on_one_mesh_resumed_on_another_with_another_zero_stage(saved, resumed, mesh,
+                                                                      reference, cache,
+                                                                      tmp_path):
     run_dir, env = tmp_path / "run", {**cache, **EIGHT_DEVICES}
-    preempt(run_dir, 4, mesh_arg(4, 2), env=env)
+    preempt(run_dir, 4, saved, env=env)
     read_with_plain_orbax_on_one_device(run_dir / "checkpoints" / "4")
-    output = train(run_dir, mesh_arg(8, 1), "training.zero_stage=1", env=env)
-    assert "resuming from step 4" in output and "mesh: fsdp=8 × tp=1" in output
+    output = train(run_dir, resumed, "training.zero_stage=1", env=env)
+    assert "resuming from step 4" in output and f"mesh: {mesh}" in output
     got, want = losses(run_dir), losses(reference)
     steps = range(5, STEPS + 1)
     np.testing.assert_allclose([got[s] for s in steps], [want[s] for s in steps], rtol=1e-5)

@@ -18,9 +18,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from tunix_train.models import lora, quantization
+from tunix_train.models import context, lora, quantization
 from tunix_train.models.head import VocabChunks
 from tunix_train.parallel import fsdp, pipeline, stages
+from tunix_train.parallel.mesh import CP
 from tunix_train.parallel.sharding import LogicalRules, activate, per_shard_rules
 from tunix_train.training.optim import skipped_updates
 from tunix_train.training.state import FROZEN, StateLayout, TrainState
@@ -95,7 +96,8 @@ def train_step_fn(layout: StateLayout, optimizer: optax.GradientTransformation,
         # Parameters go in as fp32 shards: each is cast where it is gathered (parallel/fsdp.py).
         with activate(options.mesh, per_shard_rules(options.rules)):  # in effect while jit traces
             grads, loss_sum, sums = fsdp.accumulated_gradients(
-                options.sync, micro_loss, state["params"], batch, state.get(FROZEN))
+                options.sync, micro_loss, state["params"], in_cp_order(batch, options.mesh),
+                state.get(FROZEN))
         tokens = sums.pop("tokens")
         # A non-finite loss makes every gradient NaN here (in the division that happens anyway),
         # so the optimizer's finiteness guard skips the update even if the gradients were finite.
@@ -133,11 +135,23 @@ def jit_train_step(layout: StateLayout, optimizer, schedule, options: StepOption
     )
 
 
+def in_cp_order(batch: Batch, mesh: Mesh) -> Batch:
+    """The batch's [..., seq_len] entries in the order cp devices hold a sequence, an early and
+    a late piece each (models/context.py: balanced causal attention); unchanged without cp.
+    Every entry is per token, and the loss a sum over tokens, so only attention sees the order
+    (through the batch's positions and segment ids)."""
+    cp = mesh.shape.get(CP, 1)
+    if cp == 1:
+        return batch
+    order = context.balanced_order(batch["inputs"].shape[-1], cp)
+    return jax.tree.map(lambda x: x[..., order], batch)
+
+
 def jit_eval_step(layout: StateLayout, options: StepOptions, batch_sharding: NamedSharding,
                   loss_fn: LossFn = loss_sums):
     """(merged params, one [1, rows, seq_len] batch) → (loss sum, the loss's other sums)."""
     def evaluate(params, batch: Batch) -> tuple[jax.Array, dict]:
-        single = jax.tree.map(lambda x: x[0], batch)
+        single = jax.tree.map(lambda x: x[0], in_cp_order(batch, options.mesh))
         with activate(options.mesh, options.rules):
             return loss_fn(layout.params.graphdef,
                            quantization.cast(params, options.compute_dtype),
