@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 
 from tunix_train.analysis import hlo
 from tunix_train.parallel.collectives import SYNC_SCOPE, WIDENED
-from tunix_train.parallel.mesh import FSDP
+from tunix_train.parallel.mesh import CP, FSDP
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute",
          "collective-broadcast", "ragged-all-to-all")
@@ -156,10 +156,10 @@ def from_hlo(module: hlo.Module, mesh: Mesh, gradient_bytes: float | None = None
     report = CommReport(sorted(rows.values(), key=lambda c: (c.phase, c.kind, c.axis)),
                         warnings=module.warnings)
     if gradient_bytes:
-        # Over fsdp, or over fsdp and pp together (pipeline meshes: sharding.spread_over_ranks).
+        # Over the data-parallel axes (fsdp, cp), alone or with pp (sharding.spread_over_ranks).
         synced = sum(c.bytes for c in report.collectives if c.phase == "gradient sync"
                      and c.kind in ("reduce-scatter", "all-reduce")
-                     and FSDP in c.axis.split("+"))
+                     and {FSDP, CP} & set(c.axis.split("+")))
         report.gradient_reductions_per_step = round(synced / gradient_bytes, 3)
     return report
 

@@ -70,8 +70,9 @@ class StepCosts:
 
     def sync_line(self) -> str:
         sync = self.sync
-        if sync.fsdp == 1:
+        if sync.fsdp * sync.cp == 1:
             return "gradient sync: none (fsdp=1: every device sees the whole batch)"
+        over = " × ".join(sync.data_group)  # fsdp, or fsdp × cp: the devices with other tokens
         kind = "reduce-scatter" if sync.scatters else "all-reduce"
         dtype = jnp.dtype(sync.reduce_dtype).name
         measured = self.comm.gradient_reductions_per_step
@@ -83,12 +84,12 @@ class StepCosts:
                     f"{sync.reductions_per_step} full reduction(s) per step (measured: "
                     f"{measured:g})")
         if sync.sync_every == 1:
-            return (f"gradient sync: each layer's gradient {kind} over fsdp inside the backward "
+            return (f"gradient sync: each layer's gradient {kind} over {over} inside the backward "
                     f"pass, in {dtype}, every micro-step = {sync.reductions_per_step} full "
                     f"reduction(s) per step (measured: {measured:g})")
         return (
             f"gradient sync: every {sync.sync_every} micro-step(s) = {sync.reductions_per_step} "
-            f"{kind}(s) over fsdp per step, in {dtype} (measured: {measured:g}); fewer "
+            f"{kind}(s) over {over} per step, in {dtype} (measured: {measured:g}); fewer "
             f"reductions cost a local unreduced gradient buffer: "
             f"{self.per_device_bytes['grad_buffer'] / UNITS['MB']:,.1f} MB per device incl. its fp32 "
             f"accumulator"

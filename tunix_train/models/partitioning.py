@@ -51,13 +51,12 @@ def per_device(fn: Callable, args: tuple[jax.Array, ...],
     mesh = jax.sharding.get_abstract_mesh()
     axis_of = {name: axis for name, axis in _auto_axes(sizes).items()
                if all(dim % mesh.shape[axis] == 0 for dim in sizes[name])}
-    if not axis_of:
+    manual = set(axis_of.values()) | _single_auto_axes(mesh)
+    if not manual:
         return fn(*args)
     spec = lambda names: P(*(axis_of.get(name) if name else None for name in names))  # noqa: E731
     return jax.shard_map(fn, in_specs=tuple(spec(names) for names in arg_axes),
-                         out_specs=spec(out_axes),
-                         axis_names=set(axis_of.values()) | _single_auto_axes(mesh),
-                         check_vma=False)(*args)
+                         out_specs=spec(out_axes), axis_names=manual, check_vma=False)(*args)
 
 
 def _single_auto_axes(mesh) -> set[str]:
