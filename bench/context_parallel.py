@@ -4,10 +4,10 @@
 
 The real train step on 8 devices, the same model and the same 8 rows of 4,096 tokens per step:
 fsdp 8 (one row per device) against fsdp 2 × cp 4 (4 rows per fsdp rank, each split into 4
-chunks). Every device does the same FLOPs of projections and MLP either way; cp adds the
-all-gather of each layer's keys and values and the sum of weight gradients over cp, and its
-causal attention is not load-balanced yet (the last chunk's device computes 4 chunks' worth,
-the first one 1). Steps are timed in alternating rounds; the last line is JSON.
+parts, an early and a late piece each). Every device does the same FLOPs of projections and MLP
+either way, and the same attention tiles; cp adds the all-gather of each layer's keys and
+values and reduces weight gradients over fsdp × cp instead of fsdp. Steps are timed in
+alternating rounds; the last line is JSON.
 """
 
 from __future__ import annotations
