@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 from helpers import TINY, compose_config, train_losses
-from tunix_train.models import blockwise, context
+from tunix_train.models import context
 from tunix_train.training.setup import Setup
 
 
@@ -126,10 +126,12 @@ def test_cp_devices_compute_their_own_tokens_share_of_every_weight_gradient():
 
 def test_every_cp_device_gets_the_same_causal_work():
     """Device c holds pieces c and 2·cp − 1 − c of 2·cp: the attention tiles it visits (an
-    early piece's few, a late one's many) add up to the same count on every device, where
-    contiguous chunks would give device c c + 1 chunks' worth."""
-    cp, pieces_per_device, tile = 4, 2, 64
-    order = context.balanced_order(2 * cp * tile, cp).reshape(cp, pieces_per_device, tile)
-    tiles = [sum(len(blockwise._Tiles(tile, None, 1.0, int(piece[0]) // tile).pairs(1)[0])
-                 for piece in device) for device in order]
-    assert tiles == [2 * cp + 1] * cp, tiles
+    early piece's few, a late one's many) add up to the same count on every device, so no
+    device's tile list is padded, where contiguous chunks would give device c c + 1 chunks'
+    worth."""
+    cp = 4
+    tables = np.asarray(context._tile_tables(cp, 1, 64, None))
+    assert tables.shape == (cp, 2 * cp + 1, 3)
+    assert (tables[..., 2] >= 0).all()  # no padding tile
+    assert sorted(map(tuple, tables.reshape(-1, 3)[:, 1:].tolist())) == sorted(
+        (j, q) for q in range(2 * cp) for j in range(q + 1))  # each causal tile once

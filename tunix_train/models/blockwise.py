@@ -60,46 +60,52 @@ def attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array,
             for a in (q_BxLxNxH, k_BxLxNxH, v_BxLxNxH))
         segment_ids_BxL = jnp.pad(segment_ids_BxL, ((0, 0), (0, padded)), constant_values=-1)
     segment_ids_BxL = segment_ids_BxL.astype(jnp.int32)
+    tiles = _Tiles(b, window, float(scale))
     out = _attention(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, segment_ids_BxL, segment_ids_BxL,
-                     _Tiles(b, window, float(scale)))
+                     jnp.asarray(tile_table(np.arange((L + padded) // b), b, window)), tiles)
     return out[:, :L]
 
 
-def chunk_attention(q_BxCxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array,
-                    q_segments_BxC: jax.Array, k_segments_BxL: jax.Array, *, offset: int,
+def tile_table(query_blocks: np.ndarray, block: int, window: int | None) -> np.ndarray:
+    """[T, 3] int32 rows (query block here, key block, query block in the sequence): every
+    tile with a visible pair, for queries held as blocks `query_blocks` of the sequence (all of
+    them in order; or context parallelism's pieces, models/context.py)."""
+    rows = []
+    for here, there in enumerate(query_blocks):
+        keys = np.arange(there + 1)  # causal: key block <= query block
+        if window is not None:  # the key block's last key within the first query's window
+            keys = keys[(keys + 1) * block - 1 >= there * block - window + 1]
+        rows.append(np.stack([np.full_like(keys, here), keys, np.full_like(keys, there)], 1))
+    return np.concatenate(rows).astype(np.int32)
+
+
+# A tile no query sees (its queries would sit before the sequence): pads the tile tables of
+# devices with fewer tiles to one length, and changes nothing.
+NO_TILE = np.array([0, 0, -1], np.int32)
+
+
+def attention_tiles(q_BxCxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array,
+                    q_segments_BxC: jax.Array, k_segments_BxL: jax.Array, table: jax.Array, *,
                     scale: float, window: int | None, block: int) -> jax.Array:
-    """`attention` of the C queries at positions offset .. offset + C - 1 of a sequence whose
-    keys and values are all given (context parallelism's part on one device, models/context.py):
-    the same tiles, visiting only the key blocks before and within the chunk. `offset` and C are
-    multiples of `block`."""
+    """`attention` of queries held as some blocks of a sequence against all its keys and
+    values, over the tiles `table` lists (`tile_table`, padded with `NO_TILE`; a traced value:
+    each context-parallel device passes its own)."""
     groups = q_BxCxNxH.shape[2] // k_BxLxKxH.shape[2]
     k_BxLxNxH, v_BxLxNxH = (jnp.repeat(a, groups, axis=2) for a in (k_BxLxKxH, v_BxLxKxH))
     return _attention(q_BxCxNxH, k_BxLxNxH, v_BxLxNxH, q_segments_BxC.astype(jnp.int32),
-                      k_segments_BxL.astype(jnp.int32),
-                      _Tiles(block, window, float(scale), offset // block))
+                      k_segments_BxL.astype(jnp.int32), table, _Tiles(block, window, float(scale)))
 
 
 @dataclasses.dataclass(frozen=True)  # hashable: custom_vjp takes it as a static argument
 class _Tiles:
-    """The tiling: tokens per block, the window (None: full causal), the score scale, and the
-    block the queries start at (a chunk of the sequence: context parallelism)."""
+    """The tiling: tokens per block, the window (None: full causal), the score scale."""
     block: int
     window: int | None
     scale: float
-    q_offset: int = 0
 
-    def pairs(self, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """(query block, key block) of every tile with a visible pair, of `count` query blocks;
-        query blocks count from the chunk's first."""
-        i, j = np.tril_indices(count + self.q_offset)  # causal: key block <= query block
-        keep = i >= self.q_offset
-        if self.window is not None:  # the key block's last key within the first query's window
-            keep &= (j + 1) * self.block - 1 >= i * self.block - self.window + 1
-        return (i[keep] - self.q_offset).astype(np.int32), j[keep].astype(np.int32)
-
-    def visible(self, i, j, segments_q_Bxb, segments_k_Bxb) -> jax.Array:
-        """[B, 1, b, b]: may query (q_offset + i)·b + q see key j·b + k."""
-        q_pos = (self.q_offset + i) * self.block + jnp.arange(self.block)[:, None]
+    def visible(self, there, j, segments_q_Bxb, segments_k_Bxb) -> jax.Array:
+        """[B, 1, b, b]: may query there·b + q of the sequence see key j·b + k."""
+        q_pos = there * self.block + jnp.arange(self.block)[:, None]
         k_pos = j * self.block + jnp.arange(self.block)[None, :]
         seen = k_pos <= q_pos
         if self.window is not None:
@@ -132,21 +138,22 @@ def _heads_first(a_BxLxNxH: jax.Array) -> jax.Array:
     return jnp.swapaxes(a_BxLxNxH, 1, 2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention(q, k, v, q_segments, k_segments, tiles):
-    return _forward(q, k, v, q_segments, k_segments, tiles)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention(q, k, v, q_segments, k_segments, table, tiles):
+    return _forward(q, k, v, q_segments, k_segments, table, tiles)[0]
 
 
-def _forward(q_BxLxNxH, k_BxSxNxH, v_BxSxNxH, q_segments_BxL, k_segments_BxS, tiles: _Tiles):
+def _forward(q_BxLxNxH, k_BxSxNxH, v_BxSxNxH, q_segments_BxL, k_segments_BxS, table,
+             tiles: _Tiles):
     """Output [B, L, N, H] and log-sum-exp [B, N, L] (fp32), tile by tile (online softmax)."""
     b = tiles.block
     q, k, v = (_heads_first(a) for a in (q_BxLxNxH, k_BxSxNxH, v_BxSxNxH))
     lowest = jnp.finfo(jnp.float32).min
 
-    def tile(carry, ij):
+    def tile(carry, row):
         max_BxNxL, sum_BxNxL, acc_BxNxLxH = carry
-        i, j = ij
-        seen = tiles.visible(i, j, _rows(q_segments_BxL, i, b), _rows(k_segments_BxS, j, b))
+        i, j, there = row
+        seen = tiles.visible(there, j, _rows(q_segments_BxL, i, b), _rows(k_segments_BxS, j, b))
         s = jnp.where(seen, _scores(_rows(q, i, b, 2), _rows(k, j, b, 2), tiles), lowest)
         old_max = _rows(max_BxNxL, i, b, 2)
         new_max = jnp.maximum(old_max, s.max(-1))
@@ -160,32 +167,32 @@ def _forward(q_BxLxNxH, k_BxSxNxH, v_BxSxNxH, q_segments_BxL, k_segments_BxS, ti
 
     B, N, L, H = q.shape
     init = (jnp.full((B, N, L), lowest), jnp.zeros((B, N, L)), jnp.zeros((B, N, L, H)))
-    (top, total, acc), _ = lax.scan(tile, init, tiles.pairs(L // b))
+    (top, total, acc), _ = lax.scan(tile, init, table)
     out_BxNxLxH = acc / total[..., None]
     return _heads_first(out_BxNxLxH).astype(q.dtype), top + jnp.log(total)
 
 
-def _attention_fwd(q, k, v, q_segments, k_segments, tiles):
-    out, lse = _forward(q, k, v, q_segments, k_segments, tiles)
-    return out, (q, k, v, q_segments, k_segments, out, lse)
+def _attention_fwd(q, k, v, q_segments, k_segments, table, tiles):
+    out, lse = _forward(q, k, v, q_segments, k_segments, table, tiles)
+    return out, (q, k, v, q_segments, k_segments, table, out, lse)
 
 
 def _attention_bwd(tiles: _Tiles, residuals, d_out_BxLxNxH):
     """Tile by tile, each tile's probabilities recomputed from the saved log-sum-exp; dQ, dK and
     dV accumulate a block at a time in whole fp32 arrays."""
     q, k, v, do = (_heads_first(a) for a in residuals[:3] + (d_out_BxLxNxH,))
-    q_segments, k_segments, out, lse_BxNxL = residuals[3:]
+    q_segments, k_segments, table, out, lse_BxNxL = residuals[3:]
     b = tiles.block
     # D = Σ_h dO · O per query: the softmax gradient's row term
     delta_BxNxL = jnp.einsum("blnh,blnh->bnl", d_out_BxLxNxH.astype(jnp.float32),
                              out.astype(jnp.float32))
 
-    def tile(grads, ij):
+    def tile(grads, row):
         dq, dk, dv = grads
-        i, j = ij
+        i, j, there = row
         q_i, do_i, k_j, v_j = _rows(q, i, b, 2), _rows(do, i, b, 2), _rows(k, j, b, 2), \
             _rows(v, j, b, 2)
-        seen = tiles.visible(i, j, _rows(q_segments, i, b), _rows(k_segments, j, b))
+        seen = tiles.visible(there, j, _rows(q_segments, i, b), _rows(k_segments, j, b))
         p = jnp.where(seen, jnp.exp(_scores(q_i, k_j, tiles)
                                     - _rows(lse_BxNxL, i, b, 2)[..., None]), 0.0)
         dp = _product("bnqh,bnkh->bnqk", do_i, v_j)
@@ -195,9 +202,9 @@ def _attention_bwd(tiles: _Tiles, residuals, d_out_BxLxNxH):
                 _add_rows(dv, j, b, _product("bnqk,bnqh->bnkh", p, do_i), 2)), None
 
     zeros = (jnp.zeros(q.shape, jnp.float32),) + (jnp.zeros(k.shape, jnp.float32),) * 2
-    (dq, dk, dv), _ = lax.scan(tile, zeros, tiles.pairs(q.shape[2] // b))
+    (dq, dk, dv), _ = lax.scan(tile, zeros, table)
     return (*(_heads_first(g).astype(a.dtype) for g, a in zip((dq, dk, dv), residuals)),
-            None, None)
+            None, None, None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

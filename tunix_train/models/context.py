@@ -12,8 +12,9 @@ Attention needs earlier pieces' keys and values, so this module all-gathers them
 the compute dtype; the backward pass reduce-scatters dK and dV), puts them back in sequence
 order, and runs models/blockwise.py's tiles for each of its two query pieces against them:
 FlashAttention-2's online softmax with its own backward pass, visiting only the key blocks
-causality and a local window let the piece's queries see (device c's tiles are a static list
-picked by `lax.switch` on c). Memory is linear in L per device.
+causality and a local window let the piece's queries see (one scan over device c's row of a
+table of tiles, the same length on every device: no branch per device, whose residuals JAX
+would keep for every branch). Memory is linear in L per device.
 
 Why all-gathered keys and values rather than a ring of `ppermute`s: grouped-query attention has
 few KV heads (Gemma 3 1B: one, against four query heads), so a layer's K and V are a small part
@@ -62,16 +63,21 @@ def attention(q_BxCxNxH: jax.Array, k_BxCxKxH: jax.Array, v_BxCxKxH: jax.Array,
         jnp.take(lax.all_gather(a, axis, axis=1, tiled=True), in_sequence, axis=1)
         for a in (k_BxCxKxH, v_BxCxKxH, segment_ids_BxC))
     block = math.gcd(piece, BLOCK or blockwise.block_size(C * cp))
+    table = _tile_tables(cp, piece // block, block, window)[lax.axis_index(axis)]
+    return blockwise.attention_tiles(q_BxCxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxC,
+                                     segments_BxL, table, scale=scale, window=window,
+                                     block=block)
 
-    def pieces(c: int):
-        def at(q, k, v, q_segments, k_segments):
-            return jnp.concatenate([
-                blockwise.chunk_attention(q[:, half], k, v, q_segments[:, half], k_segments,
-                                          offset=p * piece, scale=scale, window=window,
-                                          block=block)
-                for half, p in ((slice(0, piece), c), (slice(piece, C), 2 * cp - 1 - c))],
-                axis=1)
-        return at
 
-    return lax.switch(lax.axis_index(axis), [pieces(c) for c in range(cp)],
-                      q_BxCxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxC, segments_BxL)
+def _tile_tables(cp: int, blocks: int, block: int, window: int | None) -> jax.Array:
+    """[cp, T, 3]: each device's tiles (blockwise.tile_table of its two pieces' blocks, `blocks`
+    each), padded to one length with tiles that change nothing: balanced pieces give every
+    device the same count for causal layers, so the padding is for local windows near the
+    sequence's start."""
+    tables = [blockwise.tile_table(np.concatenate([np.arange(p * blocks, (p + 1) * blocks)
+                                                   for p in (c, 2 * cp - 1 - c)]),
+                                   block, window) for c in range(cp)]
+    longest = max(len(t) for t in tables)
+    return jnp.asarray(np.stack([np.concatenate([t, np.tile(blockwise.NO_TILE,
+                                                            (longest - len(t), 1))])
+                                 for t in tables]))
