@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-from helpers import TINY, compose_config, train_losses
+from helpers import TINY, compose_config, family_tiny, train_losses
 from tunix_train.models import context
 from tunix_train.training.setup import Setup
 
@@ -82,6 +82,21 @@ def without_cp():
 def test_cp_trains_with_the_losses_of_the_same_run_without_it(mesh, extra, without_cp):
     losses, _ = train_losses(compose_config(*COMMON, f"model.mesh_shape={mesh}", *extra), 3)
     np.testing.assert_allclose(losses, without_cp, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family,extra", [("llama3", []),
+                                          ("qwen3", ["training.offload_optimizer=true"])])
+def test_every_family_trains_under_cp_with_the_losses_of_fsdp(family, extra):
+    """The other families (no windows; Qwen's QK norms) on cp 2 against fsdp 2: 2 steps of
+    256-token rows (Qwen's optimizer state offloaded to host memory on the cp run)."""
+    def losses(mesh: str, *more: str):
+        cfg = compose_config(*family_tiny(family, "data.seq_len=256", "model.num_layers=2",
+                                          "training.global_batch_size=2",
+                                          f"model.mesh_shape={mesh}", *more))
+        return train_losses(cfg, 2, jax.devices()[:2])[0]
+
+    np.testing.assert_allclose(losses('[[1,2,1],["fsdp","cp","tp"]]', *extra),
+                               losses('[[2,1,1],["fsdp","cp","tp"]]'), rtol=1e-5)
 
 
 def test_cp_splits_the_sequence_and_its_activations_and_gathers_keys_and_values():
