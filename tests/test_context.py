@@ -86,14 +86,24 @@ def test_cp_trains_with_the_losses_of_the_same_run_without_it(mesh, extra, witho
 
 @pytest.mark.parametrize("family,extra", [("llama3", []),
                                           ("qwen3", ["training.offload_optimizer=true"])])
-def test_every_family_trains_under_cp_with_the_losses_of_fsdp(family, extra):
-    """The other families (no windows; Qwen's QK norms) on cp 2 against fsdp 2: 2 steps of
-    256-token rows (Qwen's optimizer state offloaded to host memory on the cp run)."""
+def test_every_family_trains_and_evaluates_under_cp_as_under_fsdp(family, extra):
+    """The other families (no windows; Qwen's QK norms) on cp 2 against fsdp 2: the losses of 2
+    steps of 256-token rows, then the validation loss of the trained state (the eval step,
+    with cp an axis XLA partitions; Qwen's optimizer state offloaded on the cp run)."""
     def losses(mesh: str, *more: str):
         cfg = compose_config(*family_tiny(family, "data.seq_len=256", "model.num_layers=2",
-                                          "training.global_batch_size=2",
+                                          "training.global_batch_size=2", "data.eval_batches=1",
                                           f"model.mesh_shape={mesh}", *more))
-        return train_losses(cfg, 2, jax.devices()[:2])[0]
+        setup = Setup.create(cfg, jax.devices()[:2])
+        data = setup.open_data()
+        state, step = setup.fresh_state(), setup.train_step()
+        train = []
+        for _ in range(2):
+            state, metrics = step(state, next(data.train))
+            train.append(float(metrics["loss"]))
+        validation = setup.evaluator(data.eval_batches)(state)
+        data.close()
+        return [*train, validation]
 
     np.testing.assert_allclose(losses('[[1,2,1],["fsdp","cp","tp"]]', *extra),
                                losses('[[2,1,1],["fsdp","cp","tp"]]'), rtol=1e-5)
