@@ -44,26 +44,19 @@ def attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array,
     and to the query's own segment if `segment_ids_BxL` is given; the same result as
     `jax.nn.dot_product_attention(..., is_causal=True, local_window_size=(window - 1, 0))` with
     the mask segment_q == segment_k."""
-    B, L, N, _ = q_BxLxNxH.shape
-    groups = N // k_BxLxKxH.shape[2]
-    # Keys and values repeated to the query heads: O(L) memory, and every tile then has one
-    # head axis, sharded like the queries' (tensor parallelism splits heads).
-    k_BxLxNxH = jnp.repeat(k_BxLxKxH, groups, axis=2)
-    v_BxLxNxH = jnp.repeat(v_BxLxKxH, groups, axis=2)
+    B, L = q_BxLxNxH.shape[:2]
     if segment_ids_BxL is None:
         segment_ids_BxL = jnp.zeros((B, L), jnp.int32)
     b = min(block or block_size(L), L)
     padded = -L % b  # padding keys come after every real query: causality hides them
     if padded:
-        q_BxLxNxH, k_BxLxNxH, v_BxLxNxH = (
+        q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = (
             jnp.pad(a, ((0, 0), (0, padded), (0, 0), (0, 0)))
-            for a in (q_BxLxNxH, k_BxLxNxH, v_BxLxNxH))
+            for a in (q_BxLxNxH, k_BxLxKxH, v_BxLxKxH))
         segment_ids_BxL = jnp.pad(segment_ids_BxL, ((0, 0), (0, padded)), constant_values=-1)
-    segment_ids_BxL = segment_ids_BxL.astype(jnp.int32)
-    tiles = _Tiles(b, window, float(scale))
-    out = _attention(q_BxLxNxH, k_BxLxNxH, v_BxLxNxH, segment_ids_BxL, segment_ids_BxL,
-                     jnp.asarray(tile_table(np.arange((L + padded) // b), b, window)), tiles)
-    return out[:, :L]
+    table = jnp.asarray(tile_table(np.arange((L + padded) // b), b, window))
+    return attention_tiles(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, segment_ids_BxL,
+                           table, scale=scale, window=window, block=b)[:, :L]
 
 
 def tile_table(query_blocks: np.ndarray, block: int, window: int | None) -> np.ndarray:
@@ -91,6 +84,8 @@ def attention_tiles(q_BxCxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.A
     values, over the tiles `table` lists (`tile_table`, padded with `NO_TILE`; a traced value:
     each context-parallel device passes its own)."""
     groups = q_BxCxNxH.shape[2] // k_BxLxKxH.shape[2]
+    # Keys and values repeated to the query heads: O(L) memory, and every tile then has one
+    # head axis, sharded like the queries' (tensor parallelism splits heads).
     k_BxLxNxH, v_BxLxNxH = (jnp.repeat(a, groups, axis=2) for a in (k_BxLxKxH, v_BxLxKxH))
     return _attention(q_BxCxNxH, k_BxLxNxH, v_BxLxNxH, q_segments_BxC.astype(jnp.int32),
                       k_segments_BxL.astype(jnp.int32), table, _Tiles(block, window, float(scale)))
