@@ -11,3 +11,8 @@ def raises(prompts, completions, **fields):
 
 def one_value_too_few(prompts, completions, **fields):
     return [0.0] * (len(completions) - 1)
+
+
+def odd_first_byte(prompts, completions, **fields):
+    """About half of an untrained model's completions: advantages of both signs."""
+    return [float(bool(c) and ord(c[0]) % 2 == 1) for c in completions]

@@ -25,6 +25,7 @@ from tunix_train.grpo.rollouts import RolloutMaker
 from tunix_train.parallel import fsdp
 from tunix_train.parallel.sharding import activate, on_devices, per_shard_rules
 from tunix_train.training.reference import scorer as reference_scorer
+from tunix_train.training import train_step
 from tunix_train.training.setup import Setup
 
 # ---------------------------------------------------------------------------------------------
@@ -143,7 +144,8 @@ def rollouts_on(sums: Path, mesh: str, devices: int, *extra: str):
     return setup, maker, maker.make(policy, prompts[:4], jax.random.key(1)), policy
 
 
-@pytest.mark.parametrize("mesh,devices", [("[[1,1],[fsdp,tp]]", 1), ("[[2,2],[fsdp,tp]]", 4)])
+@pytest.mark.parametrize("mesh,devices", [("[[1,1],[fsdp,tp]]", 1), ("[[2,2],[fsdp,tp]]", 4),
+                                          ("[[2,2,2],[fsdp,cp,tp]]", 8)])
 def test_the_samplers_log_probs_are_the_tempered_policy_scored_by_teacher_forcing(sums, mesh,
                                                                                     devices):
     setup, maker, r, policy = rollouts_on(sums, mesh, devices)
@@ -165,13 +167,16 @@ def gradients(setup: Setup, batch: dict, params) -> tuple:
     @jax.jit
     def compute(params, batch):
         with activate(options.mesh, per_shard_rules(options.rules)):
-            grads, loss, sums = fsdp.accumulated_gradients(options.sync, loss_fn, params, batch)
+            grads, loss, sums = fsdp.accumulated_gradients(
+                options.sync, loss_fn, params, train_step.in_cp_order(batch, options.mesh))
         return jax.tree.map(lambda g: g / sums["tokens"], grads), loss / sums["tokens"], sums
 
     return jax.device_get(compute(params, batch))
 
 
-def test_given_the_same_rollouts_loss_and_gradients_agree_on_1x1_and_2x2(sums):
+def test_given_the_same_rollouts_loss_and_gradients_agree_on_every_mesh(sums):
+    """One device against fsdp × tp and against sequences split over cp (the update step's
+    per-token terms summed over each device's own tokens, the reference scored in cp order)."""
     one, maker, r, _ = rollouts_on(sums, "[[1,1],[fsdp,tp]]", 1)
     host = maker.update_batch(r, "sequence-mean-token-mean")
     # Fixed inputs that exercise every term: advantages of both signs (an untrained model earns
@@ -183,18 +188,23 @@ def test_given_the_same_rollouts_loss_and_gradients_agree_on_1x1_and_2x2(sums):
     host["old_logps"] = (host["old_logps"] + rng.normal(0, 0.4, mask.shape) * mask
                          ).astype(np.float32)
     results = []
-    for mesh, devices in (("[[1,1],[fsdp,tp]]", 1), ("[[2,2],[fsdp,tp]]", 4)):
+    for mesh, devices in (("[[1,1],[fsdp,tp]]", 1), ("[[2,2],[fsdp,tp]]", 4),
+                          ("[[1,4,2],[fsdp,cp,tp]]", 8)):
         setup = Setup.create(grpo_config(sums, mesh), jax.devices()[:devices])
         # Another policy than the one that sampled and a third as the reference (non-zero KL).
         params = setup.params.initial_params(2)
         batch = on_devices(host, setup.batch_sharding)
         batch["ref_logps"] = reference_scorer(setup, 0.7)(setup.params.initial_params(3), batch)
         results.append(gradients(setup, batch, params))
-    (g1, loss1, sums1), (g2, loss2, sums2) = results
+    (g1, loss1, sums1), *others = results
     assert sums1["clipped"] > 0 and sums1["kl"] > 0
-    np.testing.assert_allclose(loss2, loss1, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):  # relative error of each tensor
-        assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a), np.linalg.norm(b - a) / np.linalg.norm(a)
+    for g2, loss2, sums2 in others:
+        np.testing.assert_allclose(loss2, loss1, rtol=1e-5)
+        for key in sums1:
+            np.testing.assert_allclose(sums2[key], sums1[key], rtol=1e-5, err_msg=key)
+        for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):  # relative error of each
+            assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a), \
+                np.linalg.norm(b - a) / np.linalg.norm(a)
 
 
 def test_parquet_prompts_equal_json_lines_and_the_chat_template_wraps_them(sums):
@@ -369,6 +379,25 @@ def test_two_processes_through_the_launcher(laptop):
     # training.profile_communication means under GRPO what it means for pre-training
     assert list((run_dir / "tensorboard" / "plugins" / "profile").glob("*/*.xplane.pb"))
     assert (run_dir / "checkpoints" / "2").is_dir()
+
+
+def test_grpo_on_sequences_split_over_cp_follows_the_run_without_cp(sums, tmp_path):
+    """fsdp 4 × tp 2 against fsdp 2 × cp 2 × tp 2 (ZeRO over fsdp × cp, 2 micro-batches), 3 steps of the whole
+    loop: the same rollouts (cp devices decode their group's rows whole), the reference scored
+    and the policy updated on split sequences, so the same rewards, losses and KL."""
+    from tunix_train.grpo import trainer as grpo_trainer
+
+    def run(name: str, mesh: str) -> dict[str, np.ndarray]:
+        grpo_trainer.run(grpo_config(sums, mesh, "training.steps=3", "logging.every_steps=1",
+                                     "grpo.rewards=[grpo_rewards:odd_first_byte]"),
+                         tmp_path / name)
+        return {key: np.array(list(metrics(tmp_path / name, key).values()))
+                for key in ("reward_mean", "loss", "kl", "clip_fraction")}
+
+    fsdp, cp = run("fsdp", "[[4,1,2],[fsdp,cp,tp]]"), run("cp", "[[2,2,2],[fsdp,cp,tp]]")
+    assert len(fsdp["loss"]) == 3 and fsdp["kl"][-1] > 0
+    for key in fsdp:
+        np.testing.assert_allclose(cp[key], fsdp[key], rtol=1e-4, atol=1e-6, err_msg=key)
 
 
 # Gemma 3: the laptop example above. Qwen 3 with LoRA: GRPO trains adapters on the

@@ -155,7 +155,7 @@ def _validate_trainer(cfg: Config) -> None:
         raise ConfigError(f"model.mesh_shape={mesh} has pipeline stages, which trainer={trainer} "
                           f"does not support yet (the pipeline computes the next-token loss only); "
                           f"put those devices on fsdp or tp instead.")
-    if trainer != "default" and _mesh_size(cfg, "cp") != 1:
+    if trainer == "dpo" and _mesh_size(cfg, "cp") != 1:
         raise ConfigError(f"model.mesh_shape={mesh} splits sequences over cp, which "
                           f"trainer={trainer} does not support yet; put those devices on fsdp or "
                           f"tp instead.")

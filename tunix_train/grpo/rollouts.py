@@ -60,10 +60,13 @@ class RolloutMaker:
         self.eos_id = -1 if tokenizer.eos_id is None else tokenizer.eos_id
         layout, mesh = setup.params, setup.mesh
         weights = sharding_lib.gathered_over_fsdp(layout.merged_shardings())
-        self.rows = sharding_lib.batch_sharding(mesh, dict(layout.rules.params))
+        # Decoding keeps each sequence whole: rows over fsdp, and with cp every device of a cp
+        # group decodes its group's rows (only the update step splits sequences).
+        rules = sharding_lib.whole_sequences(layout.rules.params)
+        self.rows = sharding_lib.batch_sharding(mesh, dict(rules))
         options = SamplingOptions(g.max_new_tokens, g.temperature, g.top_k, self.eos_id, g.top_p)
         self.sampler = Sampler(layout.graphdef, weights, options, layout.compute_dtype, mesh,
-                               layout.rules.params, rows=self.rows)
+                               rules, rows=self.rows)
         dtype = layout.compute_dtype
         # The policy's weights for decoding: cast once per step and gathered over fsdp, so
         # no generated token waits for a gather.

@@ -167,6 +167,13 @@ def per_shard_rules(rules: LogicalRules) -> LogicalRules:
                  for name, axis in rules)
 
 
+def whole_sequences(rules: LogicalRules) -> LogicalRules:
+    """Rules for code that keeps each sequence on one device (the sampler's prefill and
+    decoding): activations no longer split over cp; cp devices then share a data shard's rows."""
+    return tuple((name, None if axis == CP and name.startswith("act_") else axis)
+                 for name, axis in rules)
+
+
 @contextlib.contextmanager
 def activate(mesh: Mesh, rules: LogicalRules) -> Iterator[None]:
     """Mesh and logical rules in effect for the model's activation constraints while tracing.

@@ -18,6 +18,7 @@ from flax import nnx
 from tunix_train.config import Config
 from tunix_train.models import quantization
 from tunix_train.parallel import sharding as sharding_lib
+from tunix_train.training import train_step
 
 Setup = Any  # training/setup.py's Setup, which imports this module (for `memory`)
 
@@ -89,6 +90,9 @@ def scorer(setup: Setup, temperature: float = 1.0):
     dtype = layout.compute_dtype
 
     def score(params, batch):
+        # With cp, attention wants each sequence in its devices' order (train_step.in_cp_order);
+        # the log-probs go back to the batch's own order.
+        batch = train_step.in_cp_order(batch, options.mesh)
         with sharding_lib.activate(options.mesh, options.rules):
             model = nnx.merge(layout.graphdef, quantization.cast(params, dtype))
 
@@ -98,7 +102,8 @@ def scorer(setup: Setup, temperature: float = 1.0):
                                            temperature)
 
             keys = ("inputs", "targets", "positions", "segment_ids")
-            return jax.lax.map(one, {k: batch[k] for k in keys})
+            return train_step.out_of_cp_order(jax.lax.map(one, {k: batch[k] for k in keys}),
+                                              options.mesh)
 
     batch_sharding = setup.batch_sharding
     return jax.jit(score, in_shardings=(layout.merged_shardings(), batch_sharding),

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -145,6 +146,14 @@ def in_cp_order(batch: Batch, mesh: Mesh) -> Batch:
         return batch
     order = context.balanced_order(batch["inputs"].shape[-1], cp)
     return jax.tree.map(lambda x: x[..., order], batch)
+
+
+def out_of_cp_order(x: jax.Array, mesh: Mesh) -> jax.Array:
+    """A [..., seq_len] result computed `in_cp_order`, back in the sequence's own order."""
+    cp = mesh.shape.get(CP, 1)
+    if cp == 1:
+        return x
+    return x[..., np.argsort(context.balanced_order(x.shape[-1], cp))]
 
 
 def jit_eval_step(layout: StateLayout, options: StepOptions, batch_sharding: NamedSharding,
