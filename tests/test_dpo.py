@@ -157,14 +157,19 @@ def one_device(pairs, tmp_path_factory) -> Path:
     return run_dir
 
 
-def test_first_loss_is_ln2_and_4x2_with_accumulation_equals_one_device(one_device, pairs,
-                                                                       tmp_path):
-    """Through run_training.py: [[1,1]] and [[4,2]] with two accumulated micro-batches (and
+@pytest.mark.parametrize("mesh,extra", [
+    ('[[4,2],["fsdp","tp"]]', ["training.profile_communication=true"]),
+    # Each pair's row split over cp: its log-probability sums add up over the cp devices.
+    ('[[2,2,2],["fsdp","cp","tp"]]', []),
+], ids=["fsdp4_tp2", "fsdp2_cp2_tp2"])
+def test_first_loss_is_ln2_and_8_devices_with_accumulation_equal_one_device(
+        one_device, pairs, tmp_path, mesh, extra):
+    """Through run_training.py: [[1,1]] and 8 devices with two accumulated micro-batches (and
     the communication profile on) give the same losses and held-out metrics, the first ln 2."""
     run_dir = tmp_path / "run"
-    result = run_cli([*RUN, f"data.path={pairs}", 'model.mesh_shape=[[4,2],["fsdp","tp"]]',
-                      "training.gradient_accumulation_steps=2",
-                      "training.profile_communication=true", f"hydra.run.dir={run_dir}"],
+    result = run_cli([*RUN, f"data.path={pairs}", f"model.mesh_shape={mesh}",
+                      "training.gradient_accumulation_steps=2", *extra,
+                      f"hydra.run.dir={run_dir}"],
                      cwd=tmp_path,
                      env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -172,7 +177,7 @@ def test_first_loss_is_ln2_and_4x2_with_accumulation_equals_one_device(one_devic
     whole, shard = (float(x) for x in
                     __import__("re").search(r"parameters: .* \(([\d.]+) MB fp32\); per device "
                                             r"([\d.]+) MB", log).groups())
-    assert shard < whole / 3  # really sharded over fsdp 4 × tp 2
+    assert shard < whole / 3  # really sharded over 8 devices
     for key in ("loss", "chosen_reward", "rejected_reward", "margin", "eval_loss",
                 "eval_margin", "eval_accuracy"):
         got, want = metrics(run_dir, key), metrics(one_device, key)
@@ -182,7 +187,8 @@ def test_first_loss_is_ln2_and_4x2_with_accumulation_equals_one_device(one_devic
     for losses in (metrics(run_dir, "loss"), metrics(one_device, "loss")):
         assert losses[1] == pytest.approx(math.log(2), abs=1e-6)
         assert losses[STEPS] < losses[1]
-    assert list((run_dir / "tensorboard" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    if extra:
+        assert list((run_dir / "tensorboard" / "plugins" / "profile").glob("*/*.xplane.pb"))
 
 
 def test_precomputed_reference_and_resume_give_the_live_runs_losses(pairs, tmp_path):

@@ -155,10 +155,6 @@ def _validate_trainer(cfg: Config) -> None:
         raise ConfigError(f"model.mesh_shape={mesh} has pipeline stages, which trainer={trainer} "
                           f"does not support yet (the pipeline computes the next-token loss only); "
                           f"put those devices on fsdp or tp instead.")
-    if trainer == "dpo" and _mesh_size(cfg, "cp") != 1:
-        raise ConfigError(f"model.mesh_shape={mesh} splits sequences over cp, which "
-                          f"trainer={trainer} does not support yet; put those devices on fsdp or "
-                          f"tp instead.")
     if trainer == "dpo" and cfg.dpo.label_smoothing and cfg.dpo.loss != "sigmoid":
         raise ConfigError(f"dpo.label_smoothing={cfg.dpo.label_smoothing} applies to "
                           f"dpo.loss=sigmoid only, not {cfg.dpo.loss}; set it to 0.")

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tunix_train.config import DpoConfig
+from tunix_train.models import partitioning
 from tunix_train.models.head import VocabChunks
 
 CHOSEN, REJECTED = 1, 2  # segment ids of a pair's two sequences in its row
@@ -66,16 +67,19 @@ def sequence_logps(token_logp_BxL: jax.Array, weights_BxL: jax.Array,
     logp = token_logp_BxL.astype(jnp.float32)
     chosen = jnp.sum(logp * w * (segment_ids_BxL == CHOSEN), axis=-1)
     rejected = jnp.sum(logp * w * (segment_ids_BxL == REJECTED), axis=-1)
-    return chosen, rejected
+    return partitioning.sequence_sum(chosen), partitioning.sequence_sum(rejected)
 
 
 def pair_sums(objective: Objective, logp_BxL: jax.Array, ref_logp_BxL: jax.Array,
               weights_BxL: jax.Array, segment_ids_BxL: jax.Array) -> tuple[jax.Array, dict]:
     """(sum of pair losses, metric sums with "tokens" = the number of pairs). Rows without a
-    pair (an evaluation batch's padding) count nothing."""
+    pair (an evaluation batch's padding) count nothing. With each row split over cp devices
+    (the train step) every one of them sees its pairs' whole sums and adds its share."""
     policy_w, policy_l = sequence_logps(logp_BxL, weights_BxL, segment_ids_BxL)
     ref_w, ref_l = sequence_logps(ref_logp_BxL, weights_BxL, segment_ids_BxL)
-    pair = (jnp.sum(weights_BxL * (segment_ids_BxL == CHOSEN), axis=-1) > 0).astype(jnp.float32)
+    chosen_tokens = partitioning.sequence_sum(
+        jnp.sum(weights_BxL * (segment_ids_BxL == CHOSEN), axis=-1))
+    pair = (chosen_tokens > 0).astype(jnp.float32) * partitioning.sequence_share()
     chosen_reward = objective.beta * (policy_w - ref_w)
     rejected_reward = objective.beta * (policy_l - ref_l)
     losses = objective.pair_losses((policy_w - ref_w) - (policy_l - ref_l))

@@ -8,6 +8,7 @@ the model runs unchanged on one device, in tests, and under `eval_shape`.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -84,6 +85,47 @@ def split_over(name: str) -> tuple[str | None, int]:
     if axis is None or mesh.empty or axis not in mesh.shape or mesh.shape[axis] == 1:
         return None, 1
     return axis, mesh.shape[axis]
+
+
+def _manual_split(name: str) -> str | None:
+    """The mesh axis a dimension labelled `name` is split over by a shard_map around this code
+    (cp in the train step), if any; None where XLA partitions it or nothing splits it."""
+    axis, ways_ = split_over(name)
+    return axis if ways_ > 1 and axis in jax.sharding.get_abstract_mesh().manual_axes else None
+
+
+def sequence_sum(x_B: jax.Array) -> jax.Array:
+    """Sums over each sequence's tokens, from this device's share of them (a sum over its own
+    tokens) to the whole sequence's: summed over the devices a manual shard_map splits
+    sequences over (cp in the train step); unchanged where XLA partitions the sum itself. A
+    loss that is a function of such sums takes `sequence_share()` of it on each device."""
+    axis = _manual_split("act_seq")
+    return x_B if axis is None else _summed_everywhere(x_B, axis)
+
+
+def sequence_share() -> float:
+    """1 / the number of devices a manual shard_map splits each sequence over (else 1): the
+    part of a per-sequence term each of them adds to the sums the train step reduces."""
+    axis = _manual_split("act_seq")
+    return 1.0 if axis is None else 1.0 / jax.sharding.get_abstract_mesh().shape[axis]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _summed_everywhere(x: jax.Array, axis: str) -> jax.Array:
+    return jax.lax.psum(x, axis)
+
+
+def _summed_forward(x, axis):
+    return jax.lax.psum(x, axis), None
+
+
+def _summed_backward(axis, _, cotangent):
+    # Every device's terms depend on every device's part of the sum: the cotangent of a part is
+    # the sum of theirs (JAX's own transpose of psum depends on shard_map's check_vma).
+    return (jax.lax.psum(cotangent, axis),)
+
+
+_summed_everywhere.defvjp(_summed_forward, _summed_backward)
 
 
 def axis_of(name: str) -> str | None:
