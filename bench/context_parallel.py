@@ -4,8 +4,9 @@
 
 The real train step on 8 devices, the same model and the same 8 rows of 4,096 tokens per step:
 fsdp 8 (one row per device) against fsdp 2 × cp 4 (4 rows per fsdp rank, each split into 4
-parts, an early and a late piece each). Every device does the same FLOPs of projections and MLP
-either way, and the same attention tiles; cp adds the all-gather of each layer's keys and
+parts, an early and a late piece each), the latter twice: keys and values passed around a ring
+and all-gathered (`model.cp_exchange`). Every device does the same FLOPs of projections
+and MLP either way, and the same attention tiles; cp adds the exchange of each layer's keys and
 values and reduces weight gradients over fsdp × cp instead of fsdp. Steps are timed in
 alternating rounds; the last line is JSON.
 """
@@ -30,13 +31,20 @@ MESHES = {"fsdp8": 'model.mesh_shape=[[8,1,1],["fsdp","cp","tp"]]',
 
 
 def main(overrides: list[str]) -> dict:
-    runs = {name: train_stepper([*MODEL, *overrides, mesh])[1] for name, mesh in MESHES.items()}
+    runs = {"fsdp8": train_stepper([*MODEL, *overrides, MESHES["fsdp8"]])[1]}
+    for exchange in ("ring", "all_gather"):
+        runs[f"fsdp2_cp4_{exchange}"] = train_stepper(
+            [*MODEL, *overrides, MESHES["fsdp2_cp4"], f"model.cp_exchange={exchange}"])[1]
     median = alternating_medians(runs, WARMUP, ROUNDS, STEPS_PER_ROUND)
-    ratio = median["fsdp2_cp4"] / median["fsdp8"]
-    print(f"step: fsdp 8 {median['fsdp8'] * 1e3:.0f} ms, fsdp 2 × cp 4 "
-          f"{median['fsdp2_cp4'] * 1e3:.0f} ms; cp / fsdp {ratio:.2f}")
+    ratios = {name: median[name] / median["fsdp8"] for name in runs if name != "fsdp8"}
+    print(f"step: fsdp 8 {median['fsdp8'] * 1e3:.0f} ms, fsdp 2 × cp 4 ring "
+          f"{median['fsdp2_cp4_ring'] * 1e3:.0f} ms, all-gather "
+          f"{median['fsdp2_cp4_all_gather'] * 1e3:.0f} ms; cp / fsdp "
+          f"{ratios['fsdp2_cp4_ring']:.2f} (ring), {ratios['fsdp2_cp4_all_gather']:.2f} "
+          f"(all-gather)")
     result = {"step_s": {k: round(v, 4) for k, v in median.items()},
-              "cp_over_fsdp": round(ratio, 3),
+              "cp_over_fsdp_ring": round(ratios["fsdp2_cp4_ring"], 3),
+              "cp_over_fsdp_all_gather": round(ratios["fsdp2_cp4_all_gather"], 3),
               "devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind}
     print(json.dumps(result))
     return result

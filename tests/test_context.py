@@ -14,14 +14,18 @@ from tunix_train.models import context
 from tunix_train.training.setup import Setup
 
 
-@pytest.mark.parametrize("window,block", [(None, None), (5, None), (20, 4), (None, 4)])
-def test_chunked_attention_equals_dense_attention_and_its_gradients(window, block,
+@pytest.mark.parametrize("exchange", [context.gathered_attention, context.ring_attention],
+                         ids=["all_gather", "ring"])
+@pytest.mark.parametrize("window,block,cp", [(None, None, 4), (5, None, 4), (20, 4, 4),
+                                             (None, 4, 4), (20, 4, 2)])
+def test_chunked_attention_equals_dense_attention_and_its_gradients(exchange, window, block, cp,
                                                                      monkeypatch):
-    """fp32, 4 devices of two 8-token pieces each (balanced), packed documents, 4 query heads
-    over 2 KV heads; a window shorter than a piece (5) reaches one piece back at most, a longer
-    one (20) three; queries and keys in tiles of a whole piece (8 tokens) and of 4."""
+    """fp32, 4 devices of two 8-token pieces each (balanced; or 2 of two 16-token pieces),
+    packed documents, 4 query heads over 2 KV heads; a window shorter than a piece (5) reaches
+    one piece back at most, a longer one (20) three; queries and keys in tiles of a whole piece
+    (8 tokens) and of 4. Keys and values all-gathered, or passed around a ring."""
     monkeypatch.setattr(context, "BLOCK", block)
-    B, L, N, K, H, cp = 2, 64, 4, 2, 8, 4
+    B, L, N, K, H = 2, 64, 4, 2, 8
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.normal(size=(B, L, N, H)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(B, L, K, H)), jnp.float32) for _ in range(2))
@@ -29,7 +33,7 @@ def test_chunked_attention_equals_dense_attention_and_its_gradients(window, bloc
     mesh = jax.make_mesh((cp,), ("cp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:cp])
     split = P(None, "cp")
     on_devices = jax.shard_map(
-        functools.partial(context.attention, axis="cp", scale=0.3, window=window), mesh=mesh,
+        functools.partial(exchange, axis="cp", scale=0.3, window=window), mesh=mesh,
         in_specs=(split,) * 4, out_specs=split, check_vma=False)
     order = context.balanced_order(L, cp)
 
@@ -71,14 +75,16 @@ def without_cp():
 
 @pytest.mark.parametrize("mesh,extra", [
     ('[[2,2,2],["fsdp","cp","tp"]]', []),
-    ('[[1,4,2],["fsdp","cp","tp"]]', []),
-    ('[[2,1,2,2],["pp","fsdp","cp","tp"]]', []),
+    # Keys and values passed around a ring instead of all-gathered (model.cp_exchange).
+    ('[[1,4,2],["fsdp","cp","tp"]]', ["model.cp_exchange=ring"]),
+    ('[[2,1,2,2],["pp","fsdp","cp","tp"]]', ["model.cp_exchange=ring"]),
     # DDP's all-reduce over fsdp × cp; ZeRO-2's reduce-scatter after two local micro-batches.
     ('[[2,4,1],["fsdp","cp","tp"]]', ["training.zero_stage=0"]),
     ('[[2,2,2],["fsdp","cp","tp"]]', ["training.zero_stage=2",
                                        "training.gradient_accumulation_steps=2",
                                        "training.sync_gradients_every=2"]),
-], ids=["fsdp2_cp2_tp2", "cp4_tp2", "pp2_cp2_tp2", "zero0_fsdp2_cp4", "zero2_accum2_cp2"])
+], ids=["fsdp2_cp2_tp2", "cp4_tp2_ring", "pp2_cp2_tp2_ring", "zero0_fsdp2_cp4",
+        "zero2_accum2_cp2"])
 def test_cp_trains_with_the_losses_of_the_same_run_without_it(mesh, extra, without_cp):
     losses, _ = train_losses(compose_config(*COMMON, f"model.mesh_shape={mesh}", *extra), 3)
     np.testing.assert_allclose(losses, without_cp, rtol=1e-5)
@@ -109,21 +115,23 @@ def test_every_family_trains_and_evaluates_under_cp_as_under_fsdp(family, extra)
                                losses('[[2,1,1],["fsdp","cp","tp"]]'), rtol=1e-5)
 
 
-def test_cp_splits_the_sequence_and_its_activations_and_gathers_keys_and_values():
+def test_cp_splits_the_sequence_and_its_activations_and_passes_keys_and_values_on():
     """Not a silently replicated sequence: the batch arrives in chunks, the compiled step
-    all-gathers keys and values over cp, and its temporaries (activations) shrink with cp.
+    passes keys and values around a ring over cp (collective-permutes), and its temporaries
+    (activations) shrink with cp.
     In bf16: XLA's CPU compiler once aborted on these steps' 16-bit reductions (tp of one
     device; partitioning.per_device's workaround)."""
     def compiled(cp: int):
         cfg = compose_config(*TINY, "data.seq_len=1024", "training.global_batch_size=1",
                              "model.attention_impl=blockwise", "training.mixed_precision=bf16",
+                             "model.cp_exchange=ring",
                              f'model.mesh_shape=[[1,{cp},1],["fsdp","cp","tp"]]')
         setup = Setup.create(cfg, jax.devices()[:cp])
         return setup, setup.compile_train_step()
 
     setup, four = compiled(4)
     assert setup.batch_sharding.shard_shape((1, 1, 1024)) == (1, 1, 256)
-    assert "all-gather" in four.as_text()
+    assert "collective-permute" in four.as_text()
     _, one = compiled(1)
     temporaries = [c.memory_analysis().temp_size_in_bytes for c in (one, four)]
     assert temporaries[1] < 0.5 * temporaries[0], temporaries
@@ -156,7 +164,7 @@ def test_every_cp_device_gets_the_same_causal_work():
     worth."""
     cp = 4
     tables = np.asarray(context._tile_tables(cp, 1, 64, None))
-    assert tables.shape == (cp, 2 * cp + 1, 3)
+    assert tables.shape == (cp, 2 * cp + 1, 4)
     assert (tables[..., 2] >= 0).all()  # no padding tile
-    assert sorted(map(tuple, tables.reshape(-1, 3)[:, 1:].tolist())) == sorted(
+    assert sorted(map(tuple, tables.reshape(-1, 4)[:, [3, 2]].tolist())) == sorted(
         (j, q) for q in range(2 * cp) for j in range(q + 1))  # each causal tile once

@@ -46,6 +46,7 @@ class ModelConfig:
     query_pre_attn_scalar: Optional[float] = None  # softmax scale is its -1/2 power; None = head_dim
     rms_norm_eps: float = 1e-6
     attention_impl: str = "auto"  # auto (cudnn on GPUs where it applies, else blockwise) | blockwise | cudnn | pallas | xla
+    cp_exchange: str = "all_gather"  # how keys and values cross the cp axis: all_gather | ring
     unroll_layers: bool = False  # unroll the scans over layers: faster steps on CPU (1.4x on
     # bench/peer_step.py), compile time grows with depth; docs/performance.md
     init_from: Optional[str] = None  # hf:<dir> = dimensions and weights of a Hugging Face checkpoint

@@ -45,6 +45,7 @@ _CHOICES = {
     ("training", "nan_policy"): ("halt", "skip"),
     ("training", "grad_reduce_dtype"): ("auto", "fp32"),
     ("model", "attention_impl"): ("auto", "blockwise", "cudnn", "pallas", "xla"),
+    ("model", "cp_exchange"): ("all_gather", "ring"),
     ("model", "family"): ("gemma3", "llama3", "qwen3"),
     ("model", "rope_type"): ("linear", "llama3"),
     ("logging", "progress"): ("auto", "always", "never"),

@@ -48,6 +48,7 @@ class Attention(nnx.Module):
         self.qk_norm = arch.qk_norm
         self.scale = (cfg.query_pre_attn_scalar or H) ** -0.5
         self.implementation = cfg.attention_impl
+        self.cp_exchange = cfg.cp_exchange
 
     def __call__(self, x_BxLxD, cos_sin, segment_ids_BxL, window: int | None) -> jax.Array:
         q_BxLxNxH, k_BxLxKxH, v_BxLxKxH = self._project(x_BxLxD, cos_sin)
@@ -148,13 +149,16 @@ class Attention(nnx.Module):
     def _context(self, q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, window) -> jax.Array:
         """models/context.py on each device's chunk of the sequence (and its heads, rows)."""
         axis, ways = partitioning.split_over("act_seq")
+        ring = self.cp_exchange == "ring"
         _report_once(logging.INFO, f"attention: context parallel over {axis}={ways} (keys and "
-                                   f"values all-gathered, models/context.py)")
+                                   f"values {'passed around a ring' if ring else 'all-gathered'}, "
+                                   f"model.cp_exchange={self.cp_exchange}, models/context.py)")
         k_BxLxKxH, v_BxLxKxH, segment_ids_BxL = _per_device_inputs(
             q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL)
         heads = ("act_batch", "act_seq", "act_q_heads", None)
         return partitioning.per_device(
-            functools.partial(context.attention, axis=axis, scale=self.scale, window=window),
+            functools.partial(context.ring_attention if ring else context.gathered_attention,
+                              axis=axis, scale=self.scale, window=window),
             (q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL),
             (heads, heads, heads, ("act_batch", "act_seq")), heads)
 

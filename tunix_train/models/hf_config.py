@@ -21,7 +21,7 @@ from tunix_train.paths import HF_PREFIX
 
 # ModelConfig keys that are not the checkpoint's to decide: the command's own.
 RUNTIME_KEYS = ("name", "init_from", "mesh_shape", "sharding_rules", "attention_impl",
-                "unroll_layers")
+                "cp_exchange", "unroll_layers")
 # Every ModelConfig key that a checkpoint decides.
 CHECKPOINT_KEYS = tuple(f.name for f in dataclasses.fields(ModelConfig)
                         if f.name not in RUNTIME_KEYS)
