@@ -168,3 +168,25 @@ def test_every_cp_device_gets_the_same_causal_work():
     assert (tables[..., 2] >= 0).all()  # no padding tile
     assert sorted(map(tuple, tables.reshape(-1, 4)[:, [3, 2]].tolist())) == sorted(
         (j, q) for q in range(2 * cp) for j in range(q + 1))  # each causal tile once
+
+
+def test_the_ring_visits_each_causal_tile_once_and_a_window_only_the_neighbours():
+    """The ring's tables (step s: device c's queries against device c − s's chunk) in the
+    sequence's blocks: causal, every step after the first gives every device two tiles, none
+    padding, and together they cover each causal tile once; a window shorter than a piece only
+    reaches the chunks of the devices either side (steps 1 and cp − 1): the steps between have
+    no tiles at all."""
+    cp = 4
+    first, rest = context._ring_tables(cp, 1, 64, None)
+    assert [t.shape for t in rest] == [(cp, 2, 4)] * (cp - 1)
+    seen = []
+    for s, table in enumerate((first, *rest)):
+        table = np.asarray(table)
+        assert (table[..., 2] >= 0).all()  # no padding tile
+        for c in range(cp):
+            held = context._piece_blocks((c - s) % cp, cp, 1)
+            assert (held[table[c, :, 1]] == table[c, :, 3]).all()  # local key block → global
+            seen += map(tuple, table[c][:, [3, 2]].tolist())
+    assert sorted(seen) == sorted((j, q) for q in range(2 * cp) for j in range(q + 1))
+    _, local = context._ring_tables(cp, 1, 64, window=32)
+    assert [t.shape[1] for t in local] == [1, 0, 1]

@@ -86,18 +86,18 @@ def gathered_attention(q_BxCxNxH: jax.Array, k_BxCxKxH: jax.Array, v_BxCxKxH: ja
 def ring_attention(q_BxCxNxH: jax.Array, k_BxCxKxH: jax.Array, v_BxCxKxH: jax.Array,
                    segment_ids_BxC: jax.Array, *, axis: str, scale: float,
                    window: int | None) -> jax.Array:
-    """`gathered_attention`'s result by a ring: keys and values pass from device to device around `axis` in cp
-    steps, each step's tiles folded into the online softmax; the backward pass passes them
-    around again with their gradients (per KV head, fp32), which end on their own device. No
-    device ever holds more than two chunks of keys and values."""
+    """`gathered_attention`'s result by a ring: keys and values pass from device to device
+    around `axis` in cp steps, each step's tiles folded into the online softmax; the backward
+    pass passes them around again with their gradients (per KV head, fp32), which end on their
+    own device. No device ever holds more than two chunks of keys and values."""
     cp, C = lax.axis_size(axis), q_BxCxNxH.shape[1]
     piece = C // 2
     block = math.gcd(piece, BLOCK or blockwise.block_size(C * cp))
     first, rest = _ring_tables(cp, piece // block, block, window)
     me = lax.axis_index(axis)
     return _ring(q_BxCxNxH, k_BxCxKxH, v_BxCxKxH, segment_ids_BxC.astype(jnp.int32),
-                 first[me], rest[:, me], _Ring(axis, cp, blockwise.Tiles(block, window,
-                                                                         float(scale))))
+                 first[me], tuple(t[me] for t in rest),
+                 _Ring(axis, cp, blockwise.Tiles(block, window, float(scale))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,27 +180,28 @@ def _ring_bwd(ring: _Ring, residuals, d_out_BxCxNxH):
     dk, dv = ring.passed_on(kv_grads) if ring.cp > 1 else kv_grads  # home: chunk c + 1 → c + 1
     dq = blockwise.heads_first(dq).astype(q_BxCxNxH.dtype)
     return (dq, *(blockwise.heads_first(g).astype(a.dtype) for g, a in
-                  zip((dk, dv), (k_BxCxKxH, v_BxCxKxH))), None, None, None)
+                  zip((dk, dv), (k_BxCxKxH, v_BxCxKxH))), None, None, tuple(None for _ in rest))
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _ring_tables(cp: int, blocks: int, block: int,
-                 window: int | None) -> tuple[jax.Array, jax.Array]:
-    """([cp, T, 4] each device's tiles of its own chunk, [cp − 1, cp, T', 4] at ring step s
-    those of device c's queries against device c − s's keys): blockwise.tile_table's rows,
-    query blocks local to the device, key blocks local to the chunk held; each step padded to
-    one length with tiles that change nothing (balanced pieces make every step of a causal
-    layer the same length on every device: 2·blocks² tiles after the first)."""
+                 window: int | None) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """([cp, T, 4] each device's tiles of its own chunk, and for each ring step s = 1 … cp − 1
+    a [cp, T_s, 4] of device c's queries against device c − s's keys): blockwise.tile_table's
+    rows, query blocks local to the device, key blocks local to the chunk held; each step's
+    padded to one length on every device with tiles that change nothing (balanced pieces make
+    every step of a causal layer the same length on every device: 2·blocks² tiles after the
+    first). A local layer's window reaches the neighbours' chunks only (steps 1 and cp − 1):
+    its other steps have no tiles and compute nothing."""
     def table(c, s):
         return blockwise.tile_table(_piece_blocks(c, cp, blocks), block, window,
                                     _piece_blocks((c - s) % cp, cp, blocks))
 
-    first = blockwise.padded_tables([table(c, 0) for c in range(cp)])
-    later = [table(c, s) for s in range(1, cp) for c in range(cp)]
-    rest = blockwise.padded_tables(later or [np.zeros((0, 4), np.int32)])
-    return jnp.asarray(first), jnp.asarray(rest.reshape(cp - 1, cp, *rest.shape[1:]))
+    first, *rest = (jnp.asarray(blockwise.padded_tables([table(c, s) for c in range(cp)]))
+                    for s in range(cp))
+    return first, tuple(rest)
 
 
 def _tile_tables(cp: int, blocks: int, block: int, window: int | None) -> jax.Array:
