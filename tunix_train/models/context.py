@@ -27,8 +27,8 @@ holds two chunks of keys and values where the all-gather holds the whole sequenc
 to the query heads, and its fp32 gradients: llama3_1_8b at 131,072 tokens on cp 16 plans 33.87
 GB per device by ring against 39.40 GB gathered; gemma3_1b (one KV head) at 32,768 tokens on cp
 8, 4.33 against 4.41 GB. On the CPU benchmark (8 simulated devices, cp 4, 4,096 tokens) the
-ring's step is 1.19x the all-gather's: a CPU cannot overlap a hop with compute, so the ring pays
-2·cp − 1 synchronisations a layer where the all-gather pays two. Hence `all_gather` by default
+ring's step is 1.09x the all-gather's: a CPU cannot overlap a hop with compute, so the ring pays
+3·cp − 2 synchronisations a layer where the all-gather pays two. Hence `all_gather` by default
 (grouped-query attention's keys and values are a small part of the activations; MaxText's
 default as well), `ring` where the planner says memory binds at long context. Whether a GPU's
 overlap makes the ring as fast is not measured yet.
