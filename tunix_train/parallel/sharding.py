@@ -163,14 +163,17 @@ def vocab_shards(rules: LogicalRules, mesh: Mesh) -> int:
 def per_shard_rules(rules: LogicalRules) -> LogicalRules:
     """Rules for code that runs on one fsdp shard's rows (see fsdp.py): activations no
     longer split over fsdp, since the shard axis itself is."""
-    return tuple((name, None if axis == FSDP and name.startswith("act_") else axis)
-                 for name, axis in rules)
+    return _activations_not_over(rules, FSDP)
 
 
 def whole_sequences(rules: LogicalRules) -> LogicalRules:
     """Rules for code that keeps each sequence on one device (the sampler's prefill and
     decoding): activations no longer split over cp; cp devices then share a data shard's rows."""
-    return tuple((name, None if axis == CP and name.startswith("act_") else axis)
+    return _activations_not_over(rules, CP)
+
+
+def _activations_not_over(rules: LogicalRules, mesh_axis: str) -> LogicalRules:
+    return tuple((name, None if axis == mesh_axis and name.startswith("act_") else axis)
                  for name, axis in rules)
 
 
