@@ -9,20 +9,39 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 with_fast_compile(os.environ)  # type: ignore[arg-type]
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One persistent compilation cache for the session, shared with the CLI subprocesses (they inherit
-# the environment): most of them compile the same tiny programs, and compiling dominates their
-# time on a 2-core machine. Compiled programs are keyed by their HLO and devices, so numerics are
-# unchanged. Every program is kept, the ~60 small ones a run compiles to initialise its state
-# included (together ~2 s of a run's ~16 s when found in the cache).
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", __import__("tempfile").mkdtemp(prefix="jaxcc-"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
+import hashlib  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def compilation_cache_dir() -> Path:
+    """One persistent compilation cache per user and installed versions (constraints.txt and the
+    Python), kept between runs of the suite.
+
+    Both xdist workers and every CLI subprocess (they inherit the environment) read and write
+    it: most tests compile programs another test or an earlier run compiled, and compiling
+    dominates a test's time on a 2-core machine. JAX keys each program by its HLO, devices,
+    compile options, XLA flags and jax/jaxlib versions, so a hit is the same program: numerics
+    are unchanged. Every program is kept (minimum compile time 0), the ~60 small ones a run
+    compiles to initialise its state included."""
+    versions = (REPO / "constraints.txt").read_bytes() + sys.version.encode()
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "tunix_train" / f"jax-tests-{hashlib.sha256(versions).hexdigest()[:12]}"
+
+
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(compilation_cache_dir()))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# Safe under concurrent writers: without a size limit JAX's cache (jax._src.lru_cache.LRUCache)
+# writes an entry in place with no lock, so a process reading a key another is still writing
+# gets a truncated file (JAX then warns on stderr and compiles again). With a limit, every read
+# and write holds the cache's file lock (filelock), and the least recently used entries are
+# evicted past it. tests/test_internals.py checks that JAX still works this way.
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 * 10**9))
 sys.path.insert(0, str(REPO / "tests"))
 
 
@@ -34,12 +53,33 @@ def repo() -> Path:
 # xdist hands whole files to its two workers in collection order (`--dist loadfile`,
 # `--no-loadscope-reorder` in pyproject.toml). The files with the longest runs go first, so that
 # none of them starts last and keeps one worker busy while the other has finished; the rest
-# follow in pytest's order. Worker minutes measured on a 2-core VM (2026-11-25): docs as typed
-# ~19, grpo ~10, the three pipeline files ~13 together, launch ~8, lora ~6, resume ~5, dpo ~5.
-LONGEST_FIRST = ["test_docs_as_typed.py", "test_grpo.py", "test_schedulers.py", "test_launch.py",
-                 "test_lora.py", "test_pipeline.py", "test_resume.py",
-                 "test_pipeline_leftover.py", "test_pipeline_circular.py", "test_dpo.py",
-                 "test_blockwise.py"]
+# follow in pytest's order. Worker minutes measured on a 2-core VM (2026-11-26, cold cache,
+# tests/timing/report.py): grpo ~6.5, launch ~5.4, lora ~4.9, context ~4.2, resume ~3.8, each
+# docs-as-typed file ~3-5, fsdp, pipeline and dpo ~2.5.
+LONGEST_FIRST = ["test_grpo.py", "test_launch.py", "test_schedulers.py", "test_lora.py",
+                 "test_docs_as_typed.py", "test_context.py", "test_docs_as_typed_guides.py",
+                 "test_resume.py", "test_docs_as_typed_pages.py", "test_pipeline.py",
+                 "test_dpo.py", "test_fsdp.py", "test_train_step.py", "test_pipeline_leftover.py",
+                 "test_flash.py", "test_pipeline_circular.py", "test_blockwise.py"]
+
+
+TIMING_DIR = os.environ.get("TUNIX_TEST_TIMING")
+if TIMING_DIR:  # opt-in: where each test's time goes (tests/timing/compile_log.py)
+    os.makedirs(TIMING_DIR, exist_ok=True)
+    _timing = str(REPO / "tests" / "timing")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_timing, os.environ.get("PYTHONPATH")) if p)
+    sys.path.insert(0, _timing)
+    from compile_log import CompileLog  # noqa: E402
+
+    COMPILE_LOG = CompileLog(TIMING_DIR, subprocess=False)
+    COMPILE_LOG.listen()
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        COMPILE_LOG.test = item.nodeid
+        yield
+        COMPILE_LOG.flush()
+        COMPILE_LOG.test = "(outside a test)"
 
 
 def pytest_collection_modifyitems(items: list) -> None:
