@@ -30,6 +30,12 @@ TINY = [
     "training.mixed_precision=fp32", "optimizer.warmup_steps=2",
 ]
 
+# TINY's Gemma 3 in one stack of 4 local layers (fewer than global_every): the same layer code,
+# one scanned body instead of TINY's three (blocks of locals, globals, trailing locals), so its
+# step compiles in half the time. For the tests whose subject is a mesh, a ZeRO stage,
+# accumulation or processes, not Gemma's layer kinds (the family matrix and the pipeline files
+# run those on every mesh).
+ONE_STACK = [*TINY, "model.num_layers=4"]
 
 # Every family's tiny model, for the tests' shared family matrix: as small as TINY, with at
 # least two blocks (pipeline stages) and, for Gemma 3, a trailing layer after them.

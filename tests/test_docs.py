@@ -1,4 +1,4 @@
-"""Commands shown in README.md and docs/: all must compose (test_docs_as_typed.py runs them)."""
+"""Commands shown in README.md and docs/: all must compose (test_docs_as_typed*.py run them)."""
 
 import re
 import shlex

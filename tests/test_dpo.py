@@ -1,7 +1,7 @@
 """DPO (`trainer=dpo`): the losses against NumPy, the pairs' rows, ln 2 at step 0 through
 run_training.py on two meshes that agree with each other, the precomputed reference against the
 live one, resume against the uninterrupted run, the reference's memory, and bad input.
-docs/dpo.md's laptop example learns against an lr=0 control in tests/test_docs_as_typed.py."""
+docs/dpo.md's laptop example learns against an lr=0 control in tests/test_docs_as_typed_pages.py."""
 
 import json
 import math

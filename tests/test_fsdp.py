@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import TINY, compiled_run, compose_config, mesh_arg, train_losses
+from helpers import ONE_STACK, TINY, compiled_run, compose_config, mesh_arg, train_losses
 from tunix_train.parallel import collectives, fsdp
 from tunix_train.analysis import hlo
 
@@ -92,7 +92,7 @@ def test_bf16_reduce_scatters_sit_inside_the_layer_loop(stage):
 
 @pytest.mark.parametrize("accum,sync,reductions", [(4, 1, 4), (4, 2, 2), (4, 4, 1)])
 def test_reductions_per_step_follow_sync_gradients_every(accum, sync, reductions):
-    cfg = compose_config(*TINY, mesh_arg(8, 1), "training.micro_batch_size=1",
+    cfg = compose_config(*ONE_STACK, mesh_arg(8, 1), "training.micro_batch_size=1",
                          f"training.gradient_accumulation_steps={accum}",
                          f"training.sync_gradients_every={sync}")
     _, analysis, _, _ = compiled_run(cfg, steps=0)
@@ -101,7 +101,7 @@ def test_reductions_per_step_follow_sync_gradients_every(accum, sync, reductions
 
 
 def test_grad_reduce_dtype_fp32_reduces_in_fp32_under_bf16_compute():
-    cfg = compose_config(*TINY, mesh_arg(8, 1), "training.micro_batch_size=1",
+    cfg = compose_config(*ONE_STACK, mesh_arg(8, 1), "training.micro_batch_size=1",
                          "training.mixed_precision=bf16", "training.grad_reduce_dtype=fp32")
     _, analysis, _, _ = compiled_run(cfg, steps=0)
     reductions = {c.dtype for c in analysis.comm.collectives if c.phase == "gradient sync"
@@ -118,7 +118,7 @@ GLOBAL_BATCH = 16
 
 @pytest.fixture(scope="module")
 def full_batch_losses():
-    cfg = compose_config(*TINY, mesh_arg(1, 1), f"training.micro_batch_size={GLOBAL_BATCH}")
+    cfg = compose_config(*ONE_STACK, mesh_arg(1, 1), f"training.micro_batch_size={GLOBAL_BATCH}")
     return train_losses(cfg, STEPS, jax.devices()[:1])[0]
 
 
@@ -128,7 +128,7 @@ def full_batch_losses():
 def test_every_stage_with_accumulation_gives_the_full_batch_losses(
         full_batch_losses, fsdp, tp, stage, accum, sync):
     micro = GLOBAL_BATCH // (fsdp * accum)
-    cfg = compose_config(*TINY, mesh_arg(fsdp, tp), f"training.micro_batch_size={micro}",
+    cfg = compose_config(*ONE_STACK, mesh_arg(fsdp, tp), f"training.micro_batch_size={micro}",
                          f"training.zero_stage={stage}",
                          f"training.gradient_accumulation_steps={accum}",
                          f"training.sync_gradients_every={sync}")

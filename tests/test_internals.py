@@ -100,3 +100,27 @@ def test_a_failing_startup_analysis_is_a_warning_and_the_run_trains(tmp_path, mo
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2]
 
+
+
+def test_the_suites_compilation_cache_holds_a_file_lock_for_every_read_and_write():
+    """tests/conftest.py shares one persistent cache between the suite's processes. JAX's cache
+    (jax._src.lru_cache.LRUCache) writes an entry in place; only with a size limit does every
+    get and put hold its file lock, so no process reads an entry another is still writing."""
+    import os
+
+    from jax._src import compilation_cache, lru_cache
+
+    jax.jit(lambda x: x * 3.0 + 1.0).lower(1.0).compile()  # the cache opens at the first compile
+    cache = compilation_cache._get_cache(jax.devices()[0].client)
+    assert isinstance(cache, lru_cache.LRUCache) and cache.eviction_enabled
+    assert str(cache.path) == os.environ["JAX_COMPILATION_CACHE_DIR"]
+    held = []
+    real = cache.lock
+    cache.lock = type("Spy", (), {"acquire": lambda _, **kw: held.append("acquire"),
+                                  "release": lambda _: held.append("release")})()
+    try:
+        cache.put("tunix-train-canary", b"x")
+        assert cache.get("tunix-train-canary") == b"x"
+    finally:
+        cache.lock = real
+    assert held == ["acquire", "release"] * 2

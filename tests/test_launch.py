@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from compile_flags import with_fast_compile
-from helpers import REPO, TINY, mesh_arg, run_cli
+from helpers import ONE_STACK, REPO, TINY, mesh_arg, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +65,7 @@ def reference(tmp_path_factory) -> dict:
     out = {}
     for fsdp, tp in ((4, 1), (2, 2)):
         run_dir = tmp_path_factory.mktemp("single") / "run"
-        result = run_cli([*TINY, *STEPS, mesh_arg(fsdp, tp), f"hydra.run.dir={run_dir}"],
+        result = run_cli([*ONE_STACK, *STEPS, mesh_arg(fsdp, tp), f"hydra.run.dir={run_dir}"],
                          cwd=run_dir.parent, env_extra=devices_env(4))
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
         out[(fsdp, tp)] = losses(run_dir)
@@ -74,7 +74,7 @@ def reference(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("fsdp,tp", [(4, 1), (2, 2)])
 def test_two_processes_reproduce_the_single_process_losses(tmp_path, reference, fsdp, tp):
-    proc = launch([*TINY, *STEPS, mesh_arg(fsdp, tp)], tmp_path, devices_env(2))
+    proc = launch([*ONE_STACK, *STEPS, mesh_arg(fsdp, tp)], tmp_path, devices_env(2))
     output, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, output[-3000:]
     assert "[rank 1]" in output
@@ -106,7 +106,7 @@ def test_pipeline_stages_in_two_processes_reproduce_the_run_without_pp(tmp_path)
 
 def test_two_launchers_act_as_two_nodes(tmp_path, reference):
     port = free_port()
-    nodes = [launch([*TINY, *STEPS, mesh_arg(4, 1)], tmp_path,
+    nodes = [launch([*ONE_STACK, *STEPS, mesh_arg(4, 1)], tmp_path,
                     {**devices_env(2), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                      "RANK": str(rank), "WORLD_SIZE": "2"}, nprocs=1) for rank in (0, 1)]
     outputs = [node.communicate(timeout=600)[0] for node in nodes]
@@ -125,7 +125,7 @@ def _rank_of(pid: int) -> int:
 
 
 def test_a_crashed_rank_stops_the_job_promptly_and_is_named(tmp_path):
-    proc = launch([*TINY, "training.steps=100000", mesh_arg(4, 1), "logging.every_steps=1",
+    proc = launch([*ONE_STACK, "training.steps=100000", mesh_arg(4, 1), "logging.every_steps=1",
                    "training.global_batch_size=8"], tmp_path, devices_env(2))
     wait_for_first_logged_step(proc, tmp_path)
     children = _children(proc.pid)
@@ -162,7 +162,7 @@ def read_until(proc: subprocess.Popen, text: str, lines: list[str]) -> float:
 
 def test_processes_started_by_hand_seconds_apart_share_one_run_dir(tmp_path, reference):
     """Each process would read `${now:}` for itself; they agree on process 0's run dir."""
-    port, args = free_port(), [*TINY, *STEPS, mesh_arg(4, 1)]
+    port, args = free_port(), [*ONE_STACK, *STEPS, mesh_arg(4, 1)]
     first = by_hand(0, port, args, tmp_path, devices=2)
     time.sleep(3)
     second = by_hand(1, port, args, tmp_path, devices=2)
@@ -175,19 +175,19 @@ def test_processes_started_by_hand_seconds_apart_share_one_run_dir(tmp_path, ref
 
 def test_a_lone_process_says_what_it_waits_for_then_gives_up(tmp_path):
     started, lines = time.monotonic(), []
-    proc = by_hand(0, free_port(), [*TINY, "distributed.init_timeout_s=30"], tmp_path)
+    proc = by_hand(0, free_port(), [*ONE_STACK, "distributed.init_timeout_s=15"], tmp_path)
     said = read_until(proc, "waiting for 1 of 2 processes to join at port", lines)
     assert said - started < 20
     assert proc.wait(timeout=60) == 5
-    assert time.monotonic() - started < 30 + 15  # the timeout, plus Python's start-up
+    assert time.monotonic() - started < 15 + 15  # the timeout, plus Python's start-up
     output = "".join(lines) + proc.stdout.read()
-    assert "error: distributed.init_timeout_s=30 passed with 1 of WORLD_SIZE=2 processes joined" \
+    assert "error: distributed.init_timeout_s=15 passed with 1 of WORLD_SIZE=2 processes joined" \
         in output
 
 
 def test_sigterm_ends_a_process_waiting_for_its_peers_at_once(tmp_path):
     lines = []
-    proc = by_hand(1, free_port(), [*TINY], tmp_path)
+    proc = by_hand(1, free_port(), [*ONE_STACK], tmp_path)
     read_until(proc, "waiting for process 0 (RANK=0) at 127.0.0.1:", lines)
     signalled = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -199,14 +199,14 @@ def test_sigterm_ends_a_process_waiting_for_its_peers_at_once(tmp_path):
 def test_a_missing_node_launcher_is_a_clear_timeout(tmp_path):
     env = {**devices_env(1), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "RANK": "0", "WORLD_SIZE": "2"}
-    proc = launch([*TINY, "distributed.init_timeout_s=3"], tmp_path, env, nprocs=1)
+    proc = launch([*ONE_STACK, "distributed.init_timeout_s=3"], tmp_path, env, nprocs=1)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 5
     assert "passed with 1 of WORLD_SIZE=2 processes joined" in output
 
 
 def test_sigterm_to_the_launcher_saves_one_checkpoint_and_every_process_exits_0(tmp_path):
-    proc = launch([*TINY, "training.steps=100000", mesh_arg(4, 1), "logging.every_steps=1",
+    proc = launch([*ONE_STACK, "training.steps=100000", mesh_arg(4, 1), "logging.every_steps=1",
                    "training.global_batch_size=8"], tmp_path, devices_env(2))
     wait_for_first_logged_step(proc, tmp_path)
     children = _children(proc.pid)

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import TINY, compiled_run, compose_config, mesh_arg
+from helpers import ONE_STACK, compiled_run, compose_config, mesh_arg
 from tunix_train import checkpoint
 from tunix_train import config as config_lib
 from tunix_train.checkpoint import Checkpoints
@@ -16,7 +16,7 @@ from tunix_train.training import setup as setup_lib
 from tunix_train.training.setup import Setup
 
 STEPS = 3
-RUN = [*TINY, mesh_arg(4, 2), "training.zero_stage=3"]
+RUN = [*ONE_STACK, mesh_arg(4, 2), "training.zero_stage=3"]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_a_checkpoint_moves_between_offloaded_and_device_moments(runs, tmp_path)
     checkpoints.save(STEPS, state, {}, config_lib.to_dict(cfg))
     checkpoints.close()
     expected = jax.device_get(state)
-    for overrides, kinds in (([*TINY, mesh_arg(8, 1)], {"device"}), (RUN, {"device",
+    for overrides, kinds in (([*ONE_STACK, mesh_arg(8, 1)], {"device"}), (RUN, {"device",
                                                                           "pinned_host"})):
         target = compose_config(*overrides, f"training.offload_optimizer={kinds != {'device'}}")
         setup = Setup.create(target)

@@ -7,8 +7,8 @@ Faults are injected through tests/faulty_training.py (run_training.py with tests
 hooks); run_training.py itself has no way to switch them on.
 
 Every run is compared with one uninterrupted reference run (fp32, CPU, same global batch).
-All 1-device runs compile the same programs, so a shared persistent compilation cache makes
-every run after the first cost only its start-up.
+All 1-device runs compile the same programs, so the suite's persistent compilation cache
+(tests/conftest.py) makes every run after the first cost only its start-up.
 """
 
 import json
@@ -33,11 +33,6 @@ STEPS = 10
 BASE = [*TINY, f"training.steps={STEPS}", "training.global_batch_size=8", "logging.every_steps=1",
         "data.eval_batches=1"]
 EIGHT_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> dict:
-    return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache"))}
 
 
 FAULTY = "tests/faulty_training.py"
@@ -122,12 +117,12 @@ STRAY = {FAULTS: json.dumps({"nan_at_step": 3, "kill_at_step": 5}),
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache) -> Path:
+def reference(tmp_path_factory) -> Path:
     """The uninterrupted run: 10 steps, checkpoints every 2 (all kept), with fault variables in
     its environment that run_training.py must not read."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"
     output = train(run_dir, "checkpoint.every_steps=2", "checkpoint.keep=5",
-                   env={**cache, **STRAY})
+                   env=STRAY)
     assert committed(run_dir) == [2, 4, 6, 8, 10]
     assert "fault injection" not in output
     assert all(np.isfinite(list(losses(run_dir).values())))
@@ -144,10 +139,10 @@ def assert_bitwise(run_dir: Path, reference: Path, steps) -> None:
     assert [got[s] for s in steps] == [want[s] for s in steps]
 
 
-def test_sigterm_then_restart_gives_the_uninterrupted_losses_bitwise(reference, cache, tmp_path):
+def test_sigterm_then_restart_gives_the_uninterrupted_losses_bitwise(reference, tmp_path):
     run_dir = tmp_path / "run"
     # Step 4 is also an evaluation step: the grace period is for saving, not evaluating.
-    output = preempt(run_dir, 4, "training.eval_every_steps=4", env=cache)
+    output = preempt(run_dir, 4, "training.eval_every_steps=4", env={})
     assert "SIGTERM received" in output and max(losses(run_dir)) == 4
     assert "validation loss" not in output.split("SIGTERM received")[1]
     assert committed(run_dir) == [4]  # saved on the way out, and only then
@@ -155,7 +150,7 @@ def test_sigterm_then_restart_gives_the_uninterrupted_losses_bitwise(reference, 
     assert f"stopped after step 4 of {STEPS}; checkpoint: run/checkpoints/4" in output
     [resume] = [line for line in output.splitlines() if "resume:   " in line]
     assert resume.endswith(f"training.steps={STEPS} hydra.run.dir=run")
-    output = train(run_dir, env=cache)
+    output = train(run_dir, env={})
     assert "resuming from step 4" in output
     assert_bitwise(run_dir, reference, range(5, STEPS + 1))
 
@@ -167,9 +162,9 @@ def test_sigterm_then_restart_gives_the_uninterrupted_losses_bitwise(reference, 
      'model.mesh_shape=[[1,4,2],["fsdp","cp","tp"]]', "fsdp=1 × cp=4 × tp=2"),
 ], ids=["fsdp4_tp2_to_fsdp8", "cp2_to_cp4"])
 def test_saved_on_one_mesh_resumed_on_another_with_another_zero_stage(saved, resumed, mesh,
-                                                                      reference, cache,
+                                                                      reference,
                                                                       tmp_path):
-    run_dir, env = tmp_path / "run", {**cache, **EIGHT_DEVICES}
+    run_dir, env = tmp_path / "run", EIGHT_DEVICES
     preempt(run_dir, 4, saved, env=env)
     read_with_plain_orbax_on_one_device(run_dir / "checkpoints" / "4")
     output = train(run_dir, resumed, "training.zero_stage=1", env=env)
@@ -179,26 +174,26 @@ def test_saved_on_one_mesh_resumed_on_another_with_another_zero_stage(saved, res
     np.testing.assert_allclose([got[s] for s in steps], [want[s] for s in steps], rtol=1e-5)
 
 
-def test_sigkill_during_a_save_resumes_from_the_previous_complete_step(reference, cache, tmp_path):
+def test_sigkill_during_a_save_resumes_from_the_previous_complete_step(reference, tmp_path):
     run_dir = tmp_path / "run"
     # keep=1: had Orbax deleted step 2 before step 4 committed, nothing would be left.
     args = ("checkpoint.every_steps=2", "checkpoint.keep=1")
-    train(run_dir, *args, env=cache, faults={"kill_in_save_at_step": 4}, expect=-signal.SIGKILL)
+    train(run_dir, *args, env={}, faults={"kill_in_save_at_step": 4}, expect=-signal.SIGKILL)
     assert committed(run_dir) == [2]
     assert list((run_dir / "checkpoints").glob("4.*")), "step 4's save was not in flight"
-    output = train(run_dir, *args, env=cache)
+    output = train(run_dir, *args, env={})
     assert "resuming from step 2" in output
     assert_bitwise(run_dir, reference, range(3, STEPS + 1))
     assert committed(run_dir) == [STEPS]
 
 
-def test_a_damaged_latest_step_falls_back_with_one_warning(reference, cache, tmp_path):
+def test_a_damaged_latest_step_falls_back_with_one_warning(reference, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
     (run_dir / "metrics.jsonl").unlink()  # so every loss below comes from the resumed run
     victim = largest_data_file(run_dir / "checkpoints" / "10")
     os.truncate(victim, victim.stat().st_size // 2)
-    output = train(run_dir, "checkpoint.every_steps=2", env=cache)
+    output = train(run_dir, "checkpoint.every_steps=2", env={})
     warnings = [line for line in output.splitlines() if "falling back to step 8" in line]
     assert len(warnings) == 1 and "checkpoint step 10" in warnings[0]
     assert "resuming from step 8" in output
@@ -206,10 +201,10 @@ def test_a_damaged_latest_step_falls_back_with_one_warning(reference, cache, tmp
     assert (run_dir / "damaged_checkpoints" / "10").is_dir()
 
 
-def test_nan_halt_exits_nonzero_naming_the_step_and_keeps_good_checkpoints(reference, cache,
+def test_nan_halt_exits_nonzero_naming_the_step_and_keeps_good_checkpoints(reference,
                                                                            tmp_path):
     run_dir = tmp_path / "run"
-    output = train(run_dir, "checkpoint.every_steps=2", env=cache, faults={"nan_at_step": 6},
+    output = train(run_dir, "checkpoint.every_steps=2", env={}, faults={"nan_at_step": 6},
                    expect=3)
     assert "non-finite loss or gradients at step 6" in output and "Traceback" not in output
     assert committed(run_dir) == [2, 4]  # step 6's checkpoint was refused
@@ -219,9 +214,9 @@ def test_nan_halt_exits_nonzero_naming_the_step_and_keeps_good_checkpoints(refer
         np.testing.assert_array_equal(a, b)
 
 
-def test_nan_halt_stops_within_one_step_between_logging_steps(cache, tmp_path):
+def test_nan_halt_stops_within_one_step_between_logging_steps(tmp_path):
     run_dir = tmp_path / "run"
-    output = train(run_dir, "logging.every_steps=50", env=cache,
+    output = train(run_dir, "logging.every_steps=50", env={},
                    faults={"nan_at_step": 6, "log_steps": True}, expect=3)
     assert "non-finite loss or gradients at step 6" in output
     dispatched = [int(m) for m in re.findall(r"fault injection: step (\d+) dispatched", output)]
@@ -229,20 +224,20 @@ def test_nan_halt_stops_within_one_step_between_logging_steps(cache, tmp_path):
     assert not (run_dir / "checkpoints").exists() or committed(run_dir) == []
 
 
-def test_a_changed_optimizer_setting_is_named_and_no_checkpoint_moves(reference, cache,
+def test_a_changed_optimizer_setting_is_named_and_no_checkpoint_moves(reference,
                                                                       tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
-    stderr = train(run_dir, "optimizer.grad_clip=0", env=cache, expect=2, with_stderr=True)
+    stderr = train(run_dir, "optimizer.grad_clip=0", env={}, expect=2, with_stderr=True)
     assert "optimizer.grad_clip=1.0 there, 0.0 here" in stderr and "nothing was moved" in stderr
     assert "Traceback" not in stderr and "damaged" not in stderr
     assert committed(run_dir) == [2, 4, 6, 8, 10]
     assert not (run_dir / "damaged_checkpoints").exists()
 
 
-def test_nan_skip_finishes_and_counts_the_skipped_step(reference, cache, tmp_path):
+def test_nan_skip_finishes_and_counts_the_skipped_step(reference, tmp_path):
     run_dir = tmp_path / "run"
-    output = train(run_dir, "training.nan_policy=skip", env=cache, faults={"nan_at_step": 6})
+    output = train(run_dir, "training.nan_policy=skip", env={}, faults={"nan_at_step": 6})
     assert "step 6: non-finite loss or gradients, update skipped (1 skipped so far)" in output
     skipped = records(run_dir, "skipped_steps")
     assert [skipped[s] for s in range(1, STEPS + 1)] == [0] * 5 + [1] * 5
@@ -251,9 +246,9 @@ def test_nan_skip_finishes_and_counts_the_skipped_step(reference, cache, tmp_pat
     assert_bitwise(run_dir, reference, range(1, 6))
 
 
-def test_a_hung_step_trips_the_watchdog_with_every_threads_stack(cache, tmp_path):
+def test_a_hung_step_trips_the_watchdog_with_every_threads_stack(tmp_path):
     run_dir, timeout_s = tmp_path / "run", 3
-    output = train(run_dir, f"distributed.step_timeout_s={timeout_s}", env=cache,
+    output = train(run_dir, f"distributed.step_timeout_s={timeout_s}", env={},
                    faults={"hang_at_step": 3}, expect=4)
     assert "fault injection: hanging after step 3" in output
     log = (run_dir / "train.log").read_text()
@@ -268,25 +263,25 @@ def test_plain_orbax_restores_the_parameter_tree(reference):
     assert {"local_layers", "global_layers", "final_norm"} <= set(state["params"])
 
 
-def test_init_params_from_fine_tunes_from_the_parameters_only(reference, cache, tmp_path):
+def test_init_params_from_fine_tunes_from_the_parameters_only(reference, tmp_path):
     run_dir = tmp_path / "run"
-    output = train(run_dir, f"checkpoint.init_params_from={reference}", env=cache)
+    output = train(run_dir, f"checkpoint.init_params_from={reference}", env={})
     assert f"parameters from {reference}" in output
     # Before its first update the fine-tune evaluates exactly the reference's final parameters.
     assert records(run_dir, "eval_loss")[0] == records(reference, "eval_loss")[STEPS]
     assert min(losses(run_dir)) == 1  # step and optimizer state started afresh
 
 
-def test_resume_from_a_step_dir_of_another_run(reference, cache, tmp_path):
+def test_resume_from_a_step_dir_of_another_run(reference, tmp_path):
     run_dir = tmp_path / "run"
-    output = train(run_dir, f"checkpoint.resume_from={reference}/checkpoints/6", env=cache)
+    output = train(run_dir, f"checkpoint.resume_from={reference}/checkpoints/6", env={})
     assert "resuming from step 6" in output
     assert sorted(losses(run_dir)) == list(range(7, STEPS + 1))
     assert_bitwise(run_dir, reference, range(7, STEPS + 1))
 
 
 def test_crash_soak_sigkill_at_five_random_moments_then_bitwise_the_uninterrupted_run(
-        reference, cache, tmp_path):
+        reference, tmp_path):
     """SIGKILL while a step runs or while a save is in flight, at 5 moments drawn at random (at
     increasing steps, so that every restart gets there); each restart must resume from the last
     committed step, and the finished run must equal the uninterrupted one bit for bit."""
@@ -299,7 +294,7 @@ def test_crash_soak_sigkill_at_five_random_moments_then_bitwise_the_uninterrupte
     for kill in [*kills, None]:
         last = max(committed(run_dir)) if (run_dir / "checkpoints").is_dir() and committed(
             run_dir) else None
-        output = train(run_dir, *args, env=cache, faults=kill,
+        output = train(run_dir, *args, env={}, faults=kill,
                        expect=-signal.SIGKILL if kill else 0)
         resumed = re.findall(r"resuming from step (\d+)", output)
         assert resumed == ([str(last)] if last else []), (kill, last, resumed)

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import (FAMILIES, TINY, compiled_run, compose_config, family_tiny, mesh_arg,
+from helpers import (FAMILIES, ONE_STACK, compiled_run, compose_config, family_tiny, mesh_arg,
                      mesh_of, train_losses)
 
 STEPS = 5
@@ -13,7 +13,7 @@ GLOBAL_BATCH = 8
 
 @pytest.fixture(scope="module")
 def single_device_losses():
-    cfg = compose_config(*TINY, mesh_arg(1, 1), f"training.micro_batch_size={GLOBAL_BATCH}")
+    cfg = compose_config(*ONE_STACK, mesh_arg(1, 1), f"training.micro_batch_size={GLOBAL_BATCH}")
     losses, _ = train_losses(cfg, STEPS, jax.devices()[:1])
     return losses
 
@@ -21,15 +21,15 @@ def single_device_losses():
 @pytest.mark.parametrize("fsdp,tp", [(8, 1), (1, 4)])  # 4 × 2: the family matrix below
 def test_every_mesh_gives_the_single_device_losses(single_device_losses, fsdp, tp):
     micro = GLOBAL_BATCH // fsdp
-    cfg = compose_config(*TINY, mesh_arg(fsdp, tp), f"training.micro_batch_size={micro}")
+    cfg = compose_config(*ONE_STACK, mesh_arg(fsdp, tp), f"training.micro_batch_size={micro}")
     losses, _ = train_losses(cfg, STEPS, jax.devices()[: fsdp * tp])
     np.testing.assert_allclose(losses, single_device_losses, rtol=1e-5)
     assert losses[-1] < losses[0]  # and it is actually training
 
 
 def test_accumulation_equals_the_full_batch():
-    full = compose_config(*TINY, mesh_arg(1, 1), "training.micro_batch_size=8")
-    accumulated = compose_config(*TINY, mesh_arg(1, 1), "training.micro_batch_size=2",
+    full = compose_config(*ONE_STACK, mesh_arg(1, 1), "training.micro_batch_size=8")
+    accumulated = compose_config(*ONE_STACK, mesh_arg(1, 1), "training.micro_batch_size=2",
                                  "training.gradient_accumulation_steps=4")
     devices = jax.devices()[:1]
     reference, ref_state = train_losses(full, STEPS, devices)
@@ -40,8 +40,8 @@ def test_accumulation_equals_the_full_batch():
 
 
 def test_bf16_compute_tracks_fp32_with_fp32_master_weights():
-    fp32 = compose_config(*TINY, mesh_arg(2, 2), "training.micro_batch_size=4")
-    bf16 = compose_config(*TINY, mesh_arg(2, 2), "training.micro_batch_size=4",
+    fp32 = compose_config(*ONE_STACK, mesh_arg(2, 2), "training.micro_batch_size=4")
+    bf16 = compose_config(*ONE_STACK, mesh_arg(2, 2), "training.micro_batch_size=4",
                           "training.mixed_precision=bf16")
     devices = jax.devices()[:4]
     reference, _ = train_losses(fp32, STEPS, devices)
@@ -58,10 +58,12 @@ def test_bf16_compute_tracks_fp32_with_fp32_master_weights():
 FAMILY_MESHES = {"4x2": [mesh_arg(4, 2)], "2x2x2": [mesh_of([[2, 2, 2], ["pp", "fsdp", "tp"]])],
                  "4x2-zero1-offload": [mesh_arg(4, 2), "training.zero_stage=1",
                                        "training.offload_optimizer=true"]}
-# Gemma 3 runs all of these, and more, in the files of each feature (test_fsdp.py,
-# test_pipeline*.py, test_zero_stages.py, test_offload.py, test_resume.py): here the others.
+# Gemma 3 (its three layer kinds: blocks of local and global layers, a trailing local) on the
+# first mesh; it runs the others, and more, in the files of each feature (test_pipeline*.py,
+# test_zero_stages.py, test_resume.py; test_fsdp.py and the tests above on one stack of its
+# local layers).
 OTHER_FAMILIES = [f for f in FAMILIES if f != "gemma3"]
-FAMILY_CASES = [(f, m) for f in OTHER_FAMILIES for m in FAMILY_MESHES]
+FAMILY_CASES = [("gemma3", "4x2"), *((f, m) for f in OTHER_FAMILIES for m in FAMILY_MESHES)]
 
 
 @pytest.fixture(scope="module", params=OTHER_FAMILIES)
