@@ -67,7 +67,8 @@ TIMING_DIR = os.environ.get("TUNIX_TEST_TIMING")
 if TIMING_DIR:  # opt-in: where each test's time goes (tests/timing/compile_log.py)
     os.makedirs(TIMING_DIR, exist_ok=True)
     _timing = str(REPO / "tests" / "timing")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_timing, os.environ.get("PYTHONPATH")) if p)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (_timing, os.environ.get("PYTHONPATH")) if p)
     sys.path.insert(0, _timing)
     from compile_log import CompileLog  # noqa: E402
 

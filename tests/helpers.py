@@ -32,9 +32,10 @@ TINY = [
 
 # TINY's Gemma 3 in one stack of 4 local layers (fewer than global_every): the same layer code,
 # one scanned body instead of TINY's three (blocks of locals, globals, trailing locals), so its
-# step compiles in half the time. For the tests whose subject is a mesh, a ZeRO stage,
-# accumulation or processes, not Gemma's layer kinds (the family matrix and the pipeline files
-# run those on every mesh).
+# step compiles in half the time. For the tests whose subject is not Gemma's layer kinds but a
+# mesh, a ZeRO stage, accumulation, offload, processes, the planner, the output head or GRPO's
+# and DPO's objectives (the family matrix, the pipeline, context-parallel, attention-kernel and
+# generation tests run the three kinds).
 ONE_STACK = [*TINY, "model.num_layers=4"]
 
 # Every family's tiny model, for the tests' shared family matrix: as small as TINY, with at

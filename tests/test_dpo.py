@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import TINY, compose_config, run_cli
+from helpers import ONE_STACK, TINY, compose_config, run_cli
 from tunix_train import validation
 from tunix_train.config import ConfigError
 from tunix_train.data import demo
@@ -137,7 +137,7 @@ def test_bad_dpo_settings_are_refused_by_name(override, match):
 # Whole runs.
 
 STEPS = 4
-RUN = [*TINY, "trainer=dpo", "data=preferences", "data.seq_len=48", "logging.every_steps=1",
+RUN = [*ONE_STACK, "trainer=dpo", "data=preferences", "data.seq_len=48", "logging.every_steps=1",
        "training.global_batch_size=8", f"training.steps={STEPS}", "optimizer.lr=3e-3",
        "data.eval_batches=1"]
 

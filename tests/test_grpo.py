@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import REPO, TINY, cli_env, compose_config, family_tiny, run_cli, start_cli
+from helpers import (REPO, ONE_STACK, cli_env, compose_config, family_tiny, run_cli,
+                     start_cli)
 from tunix_train.data import demo
 from tunix_train.data import tokenizer as tokenizer_lib
 from tunix_train.grpo import objective as objective_lib
@@ -127,8 +128,11 @@ def sums(tmp_path_factory) -> Path:
 
 
 def grpo_config(sums: Path, mesh: str, *extra: str):
+    """GRPO's own mechanics on the one-stack Gemma 3 (helpers.ONE_STACK). Gemma's three layer
+    kinds are sampled in the laptop example and in test_generate.py (the sampler against full
+    recomputation)."""
     return compose_config(
-        *TINY, "trainer=grpo", "data=prompts", f"data.path={sums / 'sums.jsonl'}",
+        *ONE_STACK, "trainer=grpo", "data=prompts", f"data.path={sums / 'sums.jsonl'}",
         "data.seq_len=16", "grpo.max_new_tokens=4", "training.global_batch_size=16",
         "grpo.num_generations=4", "grpo.temperature=0.7", "grpo.top_k=8", "grpo.beta=0.04",
         "training.gradient_accumulation_steps=2", f"model.mesh_shape={mesh}", *extra)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import TINY, compose_config, mesh_arg
+from helpers import ONE_STACK, compose_config, mesh_arg
 from tunix_train.models.head import VocabChunks, token_losses
 from tunix_train.training.setup import Setup
 
@@ -46,7 +46,7 @@ def test_chunked_losses_and_gradients_equal_the_whole_logits(count, shards):
 
 def first_step(*overrides: str):
     """Loss and parameter gradient norm of the real step on packed, padded documents."""
-    cfg = compose_config(*TINY, "data.packing=first_fit", "training.micro_batch_size=2",
+    cfg = compose_config(*ONE_STACK, "data.packing=first_fit", "training.micro_batch_size=2",
                          *overrides)
     setup = Setup.create(cfg)
     data = setup.open_data()
@@ -70,7 +70,7 @@ def test_the_train_step_gives_the_same_loss_and_update_for_any_chunking():
 
 def test_chunking_saves_at_least_the_fp32_logits_in_compiled_temporaries():
     def temporaries(chunk: int) -> int:
-        cfg = compose_config(*TINY, mesh_arg(1, 1), "model.vocab_size=4096",
+        cfg = compose_config(*ONE_STACK, mesh_arg(1, 1), "model.vocab_size=4096",
                              "training.micro_batch_size=8", f"training.loss_vocab_chunk={chunk}")
         setup = Setup.create(cfg, jax.devices()[:1])
         memory = setup.compile_train_step().memory_analysis()
@@ -85,7 +85,7 @@ def test_the_attention_path_is_logged_once_and_a_refusal_is_a_warning(caplog, mo
     from tunix_train.models import attention as attention_lib
     from tunix_train.models import gemma3
 
-    cfg = compose_config(*TINY)
+    cfg = compose_config(*ONE_STACK)
     setup = Setup.create(cfg, jax.devices()[:1])
     batch = setup.random_batch()
     monkeypatch.setattr(attention_lib, "_REPORTED", set())

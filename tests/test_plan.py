@@ -10,12 +10,12 @@ import jax
 import pytest
 
 from compile_flags import with_fast_compile
-from helpers import REPO, TINY, compose_config, mesh_arg, run_cli
+from helpers import ONE_STACK, REPO, TINY, compose_config, mesh_arg, run_cli
 from tunix_train.training import state as state_lib
 from tunix_train.training.setup import Setup
 
 pytestmark = pytest.mark.slow
-MODEL = [*TINY, mesh_arg(4, 2), "training.micro_batch_size=2"]
+MODEL = [*ONE_STACK, mesh_arg(4, 2), "training.micro_batch_size=2"]
 
 
 def run_plan(args, cwd):

@@ -32,9 +32,11 @@ REPO = Path(__file__).resolve().parent.parent
 # Appended to training commands to make them CPU-sized (the command's own keys come first, so
 # these win; model keys a checkpoint decides are left out where one is imported). Gemma 3 in 4
 # local layers, one scanned body: a docs command's subject is the command, not the layer kinds
-# (tests/helpers.py's ONE_STACK), and its step compiles in half the time of 7 layers.
+# (tests/helpers.py's ONE_STACK), and its step compiles in half the time of 7 layers. The
+# vocabulary of gemma3_tiny (the byte-level tokenizer's 512) also for the pages' real sizes
+# (gemma3_1b: 262,144 rows, whose output head alone doubled a CPU-scale run's time).
 TINY_MODEL = ["model.num_layers=4", "model.embed_dim=64", "model.hidden_dim=128",
-              "model.head_dim=16", "model.sliding_window=16"]
+              "model.head_dim=16", "model.sliding_window=16", "model.vocab_size=512"]
 CPU_SCALE = [*TINY_MODEL, "data.seq_len=32", "data.max_corpus_bytes=400000",
              "training.mixed_precision=fp32"]
 
@@ -89,6 +91,8 @@ class Typed:
         page sets them (conftest's 8 are the test process's own)."""
         env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")
                and not k.startswith(SCHEDULER_VARIABLES)}
+        if "TUNIX_TEST_TIMING" in os.environ:  # measuring (tests/timing/): its sitecustomize only
+            env["PYTHONPATH"] = os.environ.get("PYTHONPATH", "")
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         env.update(extra or {})
         return with_fast_compile(env)  # codegen only (compile_flags.py); commands unchanged

@@ -64,11 +64,13 @@ def for_subprocess() -> None:
     log.totals[log.test]["processes"] += 1
     _after_import("jax", log.listen)
     atexit.register(log.flush)  # atexit runs last-in first-out: the wall time below is taken first
-    atexit.register(lambda: log.totals[log.test].__setitem__("wall_s", time.perf_counter() - started))
+    atexit.register(lambda: log.totals[log.test].__setitem__(
+        "wall_s", time.perf_counter() - started))
 
 
 def _after_import(name: str, then) -> None:
-    """Runs `then()` right after module `name` is first imported (no cost to processes without it)."""
+    """Runs `then()` right after module `name` is first imported (nothing for processes that
+    never import it)."""
     import importlib.abc
     import importlib.machinery
     import sys
