@@ -54,8 +54,8 @@ def repo() -> Path:
 # `--no-loadscope-reorder` in pyproject.toml). The files with the longest runs go first, so that
 # none of them starts last and keeps one worker busy while the other has finished; the rest
 # follow in pytest's order. Worker minutes measured on a 2-core VM (2026-11-26, cold cache,
-# tests/timing/report.py): grpo ~6.5, launch ~5.4, lora ~4.9, context ~4.2, resume ~3.8, each
-# docs-as-typed file ~3-5, fsdp, pipeline and dpo ~2.5.
+# tests/timing/report.py): lora ~5.3, grpo ~4.7, context ~4.5, schedulers ~4.4, resume ~4.0,
+# docs as typed ~3.6 / guides ~3.0 / pages ~1.6, launch ~3.5, the pipeline files ~2.2 each.
 LONGEST_FIRST = ["test_grpo.py", "test_launch.py", "test_schedulers.py", "test_lora.py",
                  "test_docs_as_typed.py", "test_context.py", "test_docs_as_typed_guides.py",
                  "test_resume.py", "test_docs_as_typed_pages.py", "test_pipeline.py",

@@ -38,10 +38,10 @@ EIGHT_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 FAULTY = "tests/faulty_training.py"
 
 
-def train(run_dir: Path, *overrides: str, env: dict, expect: int = 0, faults: dict | None = None,
-          with_stderr: bool = False) -> str:
+def train(run_dir: Path, *overrides: str, env: dict | None = None, expect: int = 0,
+          faults: dict | None = None, with_stderr: bool = False) -> str:
     """A run of run_training.py, or with `faults` of tests/faulty_training.py."""
-    env = {**env, FAULTS: json.dumps(faults)} if faults else env
+    env = {**(env or {}), **({FAULTS: json.dumps(faults)} if faults else {})}
     result = run_cli([*BASE, *overrides, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent,
                      env_extra=env, script=FAULTY if faults else "run_training.py")
     output = result.stdout + result.stderr
@@ -49,11 +49,11 @@ def train(run_dir: Path, *overrides: str, env: dict, expect: int = 0, faults: di
     return result.stderr if with_stderr else output
 
 
-def preempt(run_dir: Path, at_step: int, *overrides: str, env: dict) -> str:
+def preempt(run_dir: Path, at_step: int, *overrides: str, env: dict | None = None) -> str:
     """A run paused after step `at_step` gets SIGTERM, then goes on: it must stop after exactly
     that step, saved, and exit 0 (events, not timing, decide where the signal lands)."""
     go = run_dir.parent / f"go-{run_dir.name}"
-    pause = {**env, FAULTS: json.dumps({"pause_at_step": at_step, "resume_file": str(go)})}
+    pause = {**(env or {}), FAULTS: json.dumps({"pause_at_step": at_step, "resume_file": str(go)})}
     process = start_cli([*BASE, *overrides, f"hydra.run.dir={run_dir}"], run_dir.parent, pause,
                         script=FAULTY)
     lines = []
@@ -142,7 +142,7 @@ def assert_bitwise(run_dir: Path, reference: Path, steps) -> None:
 def test_sigterm_then_restart_gives_the_uninterrupted_losses_bitwise(reference, tmp_path):
     run_dir = tmp_path / "run"
     # Step 4 is also an evaluation step: the grace period is for saving, not evaluating.
-    output = preempt(run_dir, 4, "training.eval_every_steps=4", env={})
+    output = preempt(run_dir, 4, "training.eval_every_steps=4")
     assert "SIGTERM received" in output and max(losses(run_dir)) == 4
     assert "validation loss" not in output.split("SIGTERM received")[1]
     assert committed(run_dir) == [4]  # saved on the way out, and only then
@@ -150,7 +150,7 @@ def test_sigterm_then_restart_gives_the_uninterrupted_losses_bitwise(reference, 
     assert f"stopped after step 4 of {STEPS}; checkpoint: run/checkpoints/4" in output
     [resume] = [line for line in output.splitlines() if "resume:   " in line]
     assert resume.endswith(f"training.steps={STEPS} hydra.run.dir=run")
-    output = train(run_dir, env={})
+    output = train(run_dir)
     assert "resuming from step 4" in output
     assert_bitwise(run_dir, reference, range(5, STEPS + 1))
 
@@ -178,10 +178,10 @@ def test_sigkill_during_a_save_resumes_from_the_previous_complete_step(reference
     run_dir = tmp_path / "run"
     # keep=1: had Orbax deleted step 2 before step 4 committed, nothing would be left.
     args = ("checkpoint.every_steps=2", "checkpoint.keep=1")
-    train(run_dir, *args, env={}, faults={"kill_in_save_at_step": 4}, expect=-signal.SIGKILL)
+    train(run_dir, *args, faults={"kill_in_save_at_step": 4}, expect=-signal.SIGKILL)
     assert committed(run_dir) == [2]
     assert list((run_dir / "checkpoints").glob("4.*")), "step 4's save was not in flight"
-    output = train(run_dir, *args, env={})
+    output = train(run_dir, *args)
     assert "resuming from step 2" in output
     assert_bitwise(run_dir, reference, range(3, STEPS + 1))
     assert committed(run_dir) == [STEPS]
@@ -193,7 +193,7 @@ def test_a_damaged_latest_step_falls_back_with_one_warning(reference, tmp_path):
     (run_dir / "metrics.jsonl").unlink()  # so every loss below comes from the resumed run
     victim = largest_data_file(run_dir / "checkpoints" / "10")
     os.truncate(victim, victim.stat().st_size // 2)
-    output = train(run_dir, "checkpoint.every_steps=2", env={})
+    output = train(run_dir, "checkpoint.every_steps=2")
     warnings = [line for line in output.splitlines() if "falling back to step 8" in line]
     assert len(warnings) == 1 and "checkpoint step 10" in warnings[0]
     assert "resuming from step 8" in output
@@ -204,7 +204,7 @@ def test_a_damaged_latest_step_falls_back_with_one_warning(reference, tmp_path):
 def test_nan_halt_exits_nonzero_naming_the_step_and_keeps_good_checkpoints(reference,
                                                                            tmp_path):
     run_dir = tmp_path / "run"
-    output = train(run_dir, "checkpoint.every_steps=2", env={}, faults={"nan_at_step": 6},
+    output = train(run_dir, "checkpoint.every_steps=2", faults={"nan_at_step": 6},
                    expect=3)
     assert "non-finite loss or gradients at step 6" in output and "Traceback" not in output
     assert committed(run_dir) == [2, 4]  # step 6's checkpoint was refused
@@ -216,7 +216,7 @@ def test_nan_halt_exits_nonzero_naming_the_step_and_keeps_good_checkpoints(refer
 
 def test_nan_halt_stops_within_one_step_between_logging_steps(tmp_path):
     run_dir = tmp_path / "run"
-    output = train(run_dir, "logging.every_steps=50", env={},
+    output = train(run_dir, "logging.every_steps=50",
                    faults={"nan_at_step": 6, "log_steps": True}, expect=3)
     assert "non-finite loss or gradients at step 6" in output
     dispatched = [int(m) for m in re.findall(r"fault injection: step (\d+) dispatched", output)]
@@ -228,7 +228,7 @@ def test_a_changed_optimizer_setting_is_named_and_no_checkpoint_moves(reference,
                                                                       tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
-    stderr = train(run_dir, "optimizer.grad_clip=0", env={}, expect=2, with_stderr=True)
+    stderr = train(run_dir, "optimizer.grad_clip=0", expect=2, with_stderr=True)
     assert "optimizer.grad_clip=1.0 there, 0.0 here" in stderr and "nothing was moved" in stderr
     assert "Traceback" not in stderr and "damaged" not in stderr
     assert committed(run_dir) == [2, 4, 6, 8, 10]
@@ -237,7 +237,7 @@ def test_a_changed_optimizer_setting_is_named_and_no_checkpoint_moves(reference,
 
 def test_nan_skip_finishes_and_counts_the_skipped_step(reference, tmp_path):
     run_dir = tmp_path / "run"
-    output = train(run_dir, "training.nan_policy=skip", env={}, faults={"nan_at_step": 6})
+    output = train(run_dir, "training.nan_policy=skip", faults={"nan_at_step": 6})
     assert "step 6: non-finite loss or gradients, update skipped (1 skipped so far)" in output
     skipped = records(run_dir, "skipped_steps")
     assert [skipped[s] for s in range(1, STEPS + 1)] == [0] * 5 + [1] * 5
@@ -248,7 +248,7 @@ def test_nan_skip_finishes_and_counts_the_skipped_step(reference, tmp_path):
 
 def test_a_hung_step_trips_the_watchdog_with_every_threads_stack(tmp_path):
     run_dir, timeout_s = tmp_path / "run", 3
-    output = train(run_dir, f"distributed.step_timeout_s={timeout_s}", env={},
+    output = train(run_dir, f"distributed.step_timeout_s={timeout_s}",
                    faults={"hang_at_step": 3}, expect=4)
     assert "fault injection: hanging after step 3" in output
     log = (run_dir / "train.log").read_text()
@@ -265,7 +265,7 @@ def test_plain_orbax_restores_the_parameter_tree(reference):
 
 def test_init_params_from_fine_tunes_from_the_parameters_only(reference, tmp_path):
     run_dir = tmp_path / "run"
-    output = train(run_dir, f"checkpoint.init_params_from={reference}", env={})
+    output = train(run_dir, f"checkpoint.init_params_from={reference}")
     assert f"parameters from {reference}" in output
     # Before its first update the fine-tune evaluates exactly the reference's final parameters.
     assert records(run_dir, "eval_loss")[0] == records(reference, "eval_loss")[STEPS]
@@ -274,7 +274,7 @@ def test_init_params_from_fine_tunes_from_the_parameters_only(reference, tmp_pat
 
 def test_resume_from_a_step_dir_of_another_run(reference, tmp_path):
     run_dir = tmp_path / "run"
-    output = train(run_dir, f"checkpoint.resume_from={reference}/checkpoints/6", env={})
+    output = train(run_dir, f"checkpoint.resume_from={reference}/checkpoints/6")
     assert "resuming from step 6" in output
     assert sorted(losses(run_dir)) == list(range(7, STEPS + 1))
     assert_bitwise(run_dir, reference, range(7, STEPS + 1))
@@ -294,7 +294,7 @@ def test_crash_soak_sigkill_at_five_random_moments_then_bitwise_the_uninterrupte
     for kill in [*kills, None]:
         last = max(committed(run_dir)) if (run_dir / "checkpoints").is_dir() and committed(
             run_dir) else None
-        output = train(run_dir, *args, env={}, faults=kill,
+        output = train(run_dir, *args, faults=kill,
                        expect=-signal.SIGKILL if kill else 0)
         resumed = re.findall(r"resuming from step (\d+)", output)
         assert resumed == ([str(last)] if last else []), (kill, last, resumed)

@@ -48,7 +48,8 @@ def cpu_scale(command: str) -> list[str]:
     """CPU_SCALE for `command`: with pipeline stages, two blocks of layers (one per stage)."""
     if '"pp"' not in command:
         return CPU_SCALE
-    return [o.replace("model.num_layers=4", "model.num_layers=12") for o in CPU_SCALE]
+    return [o if not o.startswith("model.num_layers=") else "model.num_layers=12"
+            for o in CPU_SCALE]
 
 
 def page_commands(page: str, containing: str = "") -> list[str]:
