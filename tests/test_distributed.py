@@ -13,19 +13,28 @@ FakeDevice = namedtuple("FakeDevice", "id process_index device_kind")
 
 
 def test_launcher_and_torchrun_variables():
-    job = distributed.discover({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "RANK": "5",
-                                "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"})
-    assert job == distributed.Job("env", "10.0.0.1:29500", 8, 5, 1, 4)  # not our launcher
+    env = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "RANK": "5", "WORLD_SIZE": "8",
+           "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
+    job = distributed.discover(env)
+    assert job == distributed.Job("env", "10.0.0.1:29500", 8, 5, 1, 4,  # not our launcher
+                                  handshake="10.0.0.1:29501")
     args = distributed._initialize_args(DistributedConfig(init_timeout_s=7), job)
     assert args["local_device_ids"] == [1]  # one process per GPU
     assert args["process_id"] == 5 and args["initialization_timeout"] > 7
+    # torchrun's store owns MASTER_PORT: the run dir's handshake and JAX's coordinator go above
+    torchrun = distributed.discover({**env, "TORCHELASTIC_RUN_ID": "abc"})
+    assert (torchrun.source, torchrun.coordinator, torchrun.handshake) == (
+        "torchrun", "10.0.0.1:29502", "10.0.0.1:29501")
+    assert torchrun.describe() == "started by torchrun"
+    assert distributed._initialize_args(DistributedConfig(), torchrun)[
+        "coordinator_address"] == "10.0.0.1:29502"
 
 
 def test_jax_variables_and_cluster_detection():
     job = distributed.discover({"JAX_COORDINATOR_ADDRESS": "h:1234", "JAX_NUM_PROCESSES": "2",
                                 "JAX_PROCESS_ID": "1"})
-    assert (job.source, job.coordinator, job.num_processes, job.process_id) == (
-        "jax", "h:1234", 2, 1)
+    assert (job.source, job.coordinator, job.num_processes, job.process_id, job.handshake) == (
+        "jax", "h:1234", 2, 1, "h:1235")
     slurm = distributed.discover({"SLURM_JOB_ID": "77", "SLURM_NTASKS": "7", "SLURM_PROCID": "5",
                                   "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
                                   "SLURM_STEP_NODELIST": "node[1-3]",

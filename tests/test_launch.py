@@ -220,3 +220,78 @@ def test_sigterm_to_the_launcher_saves_one_checkpoint_and_every_process_exits_0(
     assert {line.split("]")[0] for line in stopped} == {"[rank 0", "[rank 1"}  # same step, both
     assert len({line.split("after step")[1] for line in stopped}) == 1
     assert all(not Path(f"/proc/{pid}").exists() for pid in children)
+
+
+def torchrun(args: list[str], cwd: Path, torchrun_args: list[str],
+             devices: int = 2) -> subprocess.Popen:
+    """`torchrun … run_training.py …` as a user types it (PyTorch's launcher, its own store on
+    MASTER_PORT)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(devices_env(devices), PYTHONUNBUFFERED="1")
+    with_fast_compile(env)
+    launcher = Path(sys.executable).with_name("torchrun")
+    return subprocess.Popen([str(launcher), *torchrun_args, str(REPO / "run_training.py"), *args],
+                            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def test_two_torchrun_nodes_started_apart_reproduce_the_single_process_losses(tmp_path,
+                                                                               reference):
+    """`torchrun --nnodes=2` on each of two "machines", the second 5 s later: one job, one run
+    dir, the losses of one process on the same 4 devices; torchrun's store on MASTER_PORT and
+    ours (+1: run dir, +2: JAX's coordinator) do not collide."""
+    port, args = free_port(), [*ONE_STACK, *STEPS, mesh_arg(4, 1)]
+    nodes = []
+    for node in (0, 1):
+        nodes.append(torchrun(args, tmp_path, ["--nnodes=2", f"--node_rank={node}",
+                                               "--nproc_per_node=1", "--master_addr=127.0.0.1",
+                                               f"--master_port={port}"]))
+        time.sleep(5 if node == 0 else 0)
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    run_dir = only_run_dir(tmp_path)
+    np.testing.assert_allclose(losses(run_dir), reference[(4, 1)], rtol=1e-5)
+    assert "(started by torchrun)" in outputs[0]
+    assert "continue: torchrun --nproc_per_node=1 --nnodes=2 --node_rank=<this node> " \
+           "run_training.py" in outputs[0]
+
+
+def test_a_rank_killed_under_torchrun_ends_the_job_and_is_named(tmp_path):
+    proc = torchrun([*ONE_STACK, "training.steps=100000", mesh_arg(4, 1), "logging.every_steps=1",
+                     "training.global_batch_size=8"], tmp_path, ["--nproc_per_node=2"])
+    wait_for_first_logged_step(proc, tmp_path)
+    workers = [pid for agent in _children(proc.pid) for pid in [agent, *_children(agent)]
+               if _has_rank(pid)]
+    victim = next(pid for pid in workers if _rank_of(pid) == 1)
+    os.kill(victim, signal.SIGKILL)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    summary = output[output.index("Root Cause"):]
+    assert "rank      : 1 (local_rank: 1)" in summary and "SIGKILL" in summary
+    assert all(not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+               for pid in workers)
+
+
+def _has_rank(pid: int) -> bool:
+    try:
+        return b"\0RANK=" in Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+
+
+def test_a_taken_coordinator_port_under_torchrun_is_one_sentence_in_torchruns_summary(tmp_path):
+    """JAX's coordinator crashes its process on a taken port (SIGSEGV); process 0 checks the
+    port first and says which, and torchrun's summary shows that sentence as the root cause."""
+    port = free_port()
+    with socket.create_server(("", port + 2)):
+        proc = torchrun([*ONE_STACK, mesh_arg(2, 1)], tmp_path,
+                        ["--nproc_per_node=2", f"--master_port={port}"], devices=1)
+        output, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    sentence = (f"error: process 0 cannot start JAX's coordinator on port {port + 2} of this "
+                f"machine (Address already in use;")
+    assert sentence in output
+    root_cause = output[output.index("Root Cause"):]
+    assert "exitcode  : 2" in root_cause and "give torchrun another --master_port" in root_cause
+    assert "torchrun stops every process of a job when one of them fails" in output

@@ -1,6 +1,7 @@
 """`python -m tunix_train.plan` as a user runs it (no simulated devices set up beforehand), and
 `training.profile_communication` in a real run."""
 
+import gzip
 import json
 import os
 import subprocess
@@ -77,6 +78,10 @@ def test_profiled_run_leaves_report_trace_and_startup_lines(tmp_path):
     report = json.loads((run_dir / "comm_report.json").read_text())
     assert report["gradient_reductions_per_step"] == 1
     assert list((run_dir / "tensorboard" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    [trace] = (run_dir / "tensorboard" / "plugins" / "profile").glob("*/*.trace.json.gz")
+    # The run says where its trace is and how to open it (Perfetto needs nothing installed).
+    assert f"profiler trace of steps 2-3: {trace} (open it at https://ui.perfetto.dev" in log
+    assert json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

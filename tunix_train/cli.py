@@ -19,6 +19,7 @@ from tunix_train import paths
 from tunix_train import validation
 from tunix_train.checkpoint import StorageError
 from tunix_train.config import Config, ConfigError
+from tunix_train.parallel import torchrun
 from tunix_train.parallel.rendezvous import PeersError
 
 log = logging.getLogger("tunix_train")
@@ -100,12 +101,12 @@ def agreed_run_dir(overrides: Sequence[str]) -> str | None:
     if job.run_name and not any(o.startswith("hydra.run.dir=") for o in overrides):
         name = OmegaConf.select(overrides_lib.compose_checked(overrides), "experiment.name")
         return paths.absolute(f"outputs/{name}/{job.run_name}", Path.cwd())
-    if job.source not in ("env", "jax") or not job.coordinator:
+    if job.source == "launcher" or not job.handshake:  # ours passes hydra.run.dir itself
         return None
     cfg = overrides_lib.compose_checked(overrides, return_hydra_config=True)
     own = paths.absolute(OmegaConf.select(cfg, "hydra.run.dir"), Path.cwd())
-    host, port = job.coordinator.rsplit(":", 1)
-    return rendezvous.exchange_run_dir(host, int(port) + 1, job.process_id, 1,
+    host, port = job.handshake.rsplit(":", 1)
+    return rendezvous.exchange_run_dir(host, int(port), job.process_id, 1,
                                        job.num_processes, own,
                                        int(OmegaConf.select(cfg, "distributed.init_timeout_s")))
 
@@ -127,20 +128,43 @@ def tool_logging() -> None:
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
     """A ConfigError is the user's to fix, a halt on NaN the run's: one sentence, no traceback."""
+    exits = ((ConfigError, EXIT_CONFIG_ERROR),
+             (FloatingPointError, EXIT_NON_FINITE),  # the loop's NonFiniteLoss: the run failed
+             (StorageError, EXIT_STORAGE), (PeersError, EXIT_PEERS))
     try:
         yield
-    except ConfigError as error:
+    except tuple(kind for kind, _ in exits) as error:
         log.error("error: %s", error)
-        sys.exit(EXIT_CONFIG_ERROR)
-    except FloatingPointError as error:  # the loop's NonFiniteLoss: the run, not the code, failed
-        log.error("error: %s", error)
-        sys.exit(EXIT_NON_FINITE)
-    except StorageError as error:
-        log.error("error: %s", error)
-        sys.exit(EXIT_STORAGE)
-    except PeersError as error:
-        log.error("error: %s", error)
-        sys.exit(EXIT_PEERS)
+        torchrun.record_error(str(error))
+        sys.exit(next(code for kind, code in exits if isinstance(error, kind)))
+    except Exception as error:
+        lost = lost_peer(error)
+        if lost is None:
+            raise
+        log.error("error: a collective failed because another process of the job is gone (%s); "
+                  "this process stops too. The process that failed first says why: its own "
+                  "lines, or torchrun's or srun's summary.", lost)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        # Not sys.exit: JAX's shutdown would wait for the lost process (30 s under torchrun,
+        # until its SIGKILL).
+        os._exit(EXIT_PEERS)
+
+
+_LOST_PEER = ("closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """The first line of XLA's error when a collective of a multi-process job failed because a
+    peer process is gone (Gloo on CPU: "Connection closed by peer"), else None."""
+    if type(error).__name__ != "JaxRuntimeError" or "jax" not in sys.modules:
+        return None
+    import jax
+
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if jax.process_count() > 1 and any(words in first for words in _LOST_PEER):
+        return first
+    return None
 
 
 def run_training(cfg: DictConfig, run_dir: str, hooks=None) -> None:
@@ -174,9 +198,14 @@ def task_of(trainer: str):
 
 
 def _scheduler_start(job) -> str | None:
-    """How a scheduler's job started run_training.py, for the closing lines' commands."""
+    """How a scheduler's (or torchrun's) job started run_training.py, for the closing lines'
+    commands."""
     if job.source == "mpi":
         return f"mpirun -n {job.num_processes} python run_training.py"
+    if job.source == "torchrun":  # one node; across nodes, each node's own torchrun line
+        nodes = int(os.environ.get("GROUP_WORLD_SIZE", 1))
+        across = f" --nnodes={nodes} --node_rank=<this node>" if nodes > 1 else ""
+        return f"torchrun --nproc_per_node={job.local_world_size}{across} run_training.py"
     if job.source == "submitit":  # its local executor: so many processes on this machine
         return f"python -m tunix_train.launch --nprocs={job.num_processes} run_training.py"
     if job.source == "slurm":

@@ -1,16 +1,21 @@
 """Profiler traces of a few steps, and device memory counters for the metrics.
 
 `training.profile_communication=true` traces steps 2-4 (the step is compiled ahead of time, so
-none of them compiles) into `<run dir>/tensorboard/plugins/profile/`, where TensorBoard's
-profile plugin (`pip install tensorboard-plugin-profile`) shows each collective on a timeline.
+none of them compiles) into `<run dir>/tensorboard/plugins/profile/<time>/`, where TensorBoard's
+profile plugin (the `[profile]` extra) shows each collective on a timeline; the
+`<host>.trace.json.gz` beside the `.xplane.pb` opens in Perfetto (ui.perfetto.dev) as it is. The
+run says where the trace went and how to open it.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Callable
 
 import jax
+
+log = logging.getLogger("tunix_train")
 
 GB = 1e9
 
@@ -31,9 +36,24 @@ def traced(step_fn: Callable, log_dir: Path, total_steps: int, skip: int = 1,
         if calls == last:
             jax.block_until_ready(out)  # the trace must hold the device work, not just dispatch
             jax.profiler.stop_trace()
+            say_where(log_dir, first, last)
         return out
 
     return step
+
+
+def say_where(log_dir: Path, first: int, last: int) -> None:
+    """One line: the trace just written, and the two ways to look at it."""
+    traces = sorted(log_dir.glob("plugins/profile/*/*.trace.json.gz"),
+                    key=lambda path: path.stat().st_mtime)
+    if not traces:  # a backend that wrote only the .xplane.pb
+        log.info("profiler trace of steps %d-%d in %s: view it with tensorboard --logdir %s "
+                 "(pip install -e '.[profile]', tab Profile)", first, last,
+                 log_dir / "plugins" / "profile", log_dir)
+        return
+    log.info("profiler trace of steps %d-%d: %s (open it at https://ui.perfetto.dev, nothing to "
+             "install; or tensorboard --logdir %s with pip install -e '.[profile]', tab Profile)",
+             first, last, traces[-1], log_dir)
 
 
 def memory_scalars() -> dict[str, float]:

@@ -2,7 +2,9 @@
 
 Sources, first match wins:
   1. our launcher, torchrun or by hand:  MASTER_ADDR MASTER_PORT RANK WORLD_SIZE
-                                         [LOCAL_RANK LOCAL_WORLD_SIZE]
+                                         [LOCAL_RANK LOCAL_WORLD_SIZE]; JAX's coordinator on
+                                         MASTER_PORT, or MASTER_PORT + 2 under torchrun, whose
+                                         store owns MASTER_PORT (parallel/torchrun.py)
   2. JAX's own variables:       JAX_COORDINATOR_ADDRESS JAX_NUM_PROCESSES JAX_PROCESS_ID
   3. SLURM (tasks of `srun`):    SLURM_JOB_ID SLURM_NTASKS SLURM_PROCID SLURM_LOCALID
                                 SLURM_STEP_NODELIST, joined by JAX's cluster detection
@@ -22,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
@@ -33,6 +36,7 @@ import numpy as np
 
 from tunix_train.config import ConfigError, DistributedConfig
 from tunix_train.parallel.launcher import LAUNCHER_ENV
+from tunix_train.parallel import torchrun
 from tunix_train.parallel.rendezvous import PEERS_EXIT_CODE
 from tunix_train.parallel.waiting import Waiting
 
@@ -43,6 +47,7 @@ log = logging.getLogger(__name__)
 _JAX_DEADLINE_MARGIN_S = 30
 INIT_TIMEOUT_EXIT_CODE = PEERS_EXIT_CODE  # the exit code table is in docs/monitoring.md
 _SOURCES = {"launcher": "started by python -m tunix_train.launch",
+            "torchrun": "started by torchrun",
             "env": "MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE",
             "jax": "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID",
             "mpi": "Open MPI, detected by JAX"}
@@ -53,7 +58,7 @@ SCHEDULED = (*CLUSTERS, "submitit")
 
 @dataclass(frozen=True)
 class Job:
-    source: str  # launcher (ours) | env (MASTER_* by hand, torchrun) | jax | slurm | mpi
+    source: str  # launcher (ours) | torchrun | env (MASTER_* by hand) | jax | slurm | mpi
     #              | submitit (its local executor) | single
     coordinator: str | None = None  # host:port of process 0's coordination service
     num_processes: int = 1
@@ -63,6 +68,9 @@ class Job:
     # The run dir's name every process of a scheduler's job agrees on: slurm-<SLURM's job id>
     # (the same when the job is requeued), mpi-<mpirun's job id>; "" for other starts.
     run_name: str = ""
+    # host:port where process 0 hands every process its run dir (rendezvous.py) before Hydra
+    # starts, for processes started one by one (by hand, torchrun, JAX's variables).
+    handshake: str | None = None
 
     def describe(self) -> str:
         """How the processes were started, for the start-up line."""
@@ -85,12 +93,20 @@ def discover(env: Mapping[str, str] = os.environ) -> Job:
         if missing:
             raise ConfigError(f"WORLD_SIZE={env['WORLD_SIZE']} is set but {', '.join(missing)} "
                               f"is not; set all of MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE.")
-        return Job("launcher" if env.get(LAUNCHER_ENV) else "env",
-                   f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}", int(env["WORLD_SIZE"]),
-                   int(env["RANK"]), **local)
+        source = ("launcher" if env.get(LAUNCHER_ENV) else
+                  "torchrun" if torchrun.started_by_torchrun(env) else "env")
+        addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+        offset = torchrun.COORDINATOR_PORT_OFFSET if source == "torchrun" else 0
+        return Job(source, f"{addr}:{port + offset}", int(env["WORLD_SIZE"]), int(env["RANK"]),
+                   **local, handshake=f"{addr}:{port + 1}")
     if int(env.get("JAX_NUM_PROCESSES", 1)) > 1:
-        return Job("jax", env.get("JAX_COORDINATOR_ADDRESS"), int(env["JAX_NUM_PROCESSES"]),
-                   int(env.get("JAX_PROCESS_ID", 0)), **local)
+        coordinator = env.get("JAX_COORDINATOR_ADDRESS")
+        handshake = None
+        if coordinator:
+            host, port = coordinator.rsplit(":", 1)
+            handshake = f"{host}:{int(port) + 1}"
+        return Job("jax", coordinator, int(env["JAX_NUM_PROCESSES"]),
+                   int(env.get("JAX_PROCESS_ID", 0)), **local, handshake=handshake)
     if int(env.get("SUBMITIT_LOCAL_NTASKS", 1)) > 1:  # one node, tasks numbered 0..n-1
         tasks = int(env["SUBMITIT_LOCAL_NTASKS"])
         rank = int(env.get("SUBMITIT_LOCAL_GLOBALID", 0))
@@ -160,16 +176,39 @@ def initialize(cfg: DistributedConfig) -> Job:
     if job.source in SCHEDULED:
         hint = ("check that every task of the job runs the same command, or raise "
                 "distributed.init_timeout_s")
+    stopped = ""
+    if job.source == "torchrun":
+        stopped = ("torchrun stops every process of a job when one of them fails; that one's "
+                   "error is above, and in torchrun's summary under Root Cause")
+    if job.process_id == 0 and job.source not in CLUSTERS and job.coordinator:
+        check_coordinator_port(job)
     # keep_sigterm: once joined, JAX's preemption notifier owns SIGTERM (training/preemption.py).
     with Waiting(f"the {job.num_processes} processes of the job to join at {where} (this is "
                  f"process {job.process_id})", cfg.init_timeout_s, INIT_TIMEOUT_EXIT_CODE, hint,
-                 keep_sigterm=True):
+                 keep_sigterm=True, on_signal=stopped):
         jax.distributed.initialize(**_initialize_args(cfg, job))
     check_homogeneous(jax.devices())
     log.info("process %d of %d (%s); %d local devices of %d: %s", jax.process_index(),
              jax.process_count(), job.describe(), jax.local_device_count(),
              jax.device_count(), jax.devices()[0].device_kind)
     return job
+
+
+def check_coordinator_port(job: Job) -> None:
+    """Process 0 starts JAX's coordinator; if its port is taken, JAX's gRPC server crashes the
+    process (SIGSEGV, no Python error). Binding it first turns that into one sentence."""
+    port = int(job.coordinator.rsplit(":", 1)[1])
+    fix = {"torchrun": f"give torchrun another --master_port (tunix_train uses it + 1 and + 2: "
+                       f"{port - torchrun.COORDINATOR_PORT_OFFSET} is torchrun's own store)",
+           "jax": "set JAX_COORDINATOR_ADDRESS to a free port on every process"}.get(
+        job.source, "start every process of the job with another MASTER_PORT")
+    try:
+        with socket.create_server(("", port)):
+            pass
+    except OSError as error:
+        raise ConfigError(f"process 0 cannot start JAX's coordinator on port {port} of this "
+                          f"machine ({os.strerror(error.errno) if error.errno else error}; the job's coordinator address is "
+                          f"{job.coordinator}): {fix}.") from None
 
 
 def _initialize_args(cfg: DistributedConfig, job: Job,

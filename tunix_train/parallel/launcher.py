@@ -175,9 +175,14 @@ class Supervisor:
         return self.exit_code
 
     def _check_failures(self) -> None:
-        for local_rank, child in enumerate(self.children):
+        failed = [(rank, child) for rank, child in enumerate(self.children)
+                  if child.poll() not in (None, 0)]
+        # A process that ended because a peer is gone (exit code 5) is named only if no other
+        # failed: the one it lost is the cause.
+        failed.sort(key=lambda failure: failure[1].poll() == PEERS_EXIT_CODE)
+        for local_rank, child in failed[:1]:
             code = child.poll()
-            if code in (None, 0) or self.exit_code:
+            if self.exit_code:
                 continue
             cause = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             log.error("launcher: rank %d (pid %d) failed with %s; stopping the other processes",

@@ -27,6 +27,8 @@ import threading
 import time
 from typing import Callable
 
+from tunix_train.parallel import torchrun
+
 log = logging.getLogger("tunix_train")
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -35,11 +37,12 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class Waiting:
     def __init__(self, what: Callable[[], str] | str, timeout_s: float | None, exit_code: int,
                  on_timeout: str = "", every_s: float = 15.0, keep_sigterm: bool = False,
-                 first_s: float = 5.0):
+                 first_s: float = 5.0, on_signal: str = ""):
         self._what = what if callable(what) else (lambda: what)
         self.timeout_s, self.exit_code, self.every_s = timeout_s, exit_code, every_s
         self.first_s = min(first_s, every_s)
         self.on_timeout, self.keep_sigterm = on_timeout, keep_sigterm
+        self.on_signal = on_signal  # what a signal while waiting most likely means
         self._done = threading.Event()
         self._previous: dict[int, object] = {}
         self._pipe: tuple[int, int] | None = None
@@ -97,10 +100,13 @@ class Waiting:
         if ready and not self._done.is_set():
             received = os.read(self._pipe[0], 64)
             name = signal.Signals(received[-1]).name if received else "a signal"
-            self._exit(f"{name} received while waiting for {self._what()}; exiting")
+            self._exit(f"{name} received while waiting for {self._what()}; exiting"
+                       + (f": {self.on_signal}" if self.on_signal else ""), signalled=True)
 
-    def _exit(self, sentence: str) -> None:
+    def _exit(self, sentence: str, signalled: bool = False) -> None:
         log.error("error: %s (exit code %d).", sentence, self.exit_code)
+        if not signalled:  # a stopped process is not the cause of its job's end
+            torchrun.record_error(sentence)
         for handler in logging.getLogger().handlers:
             handler.flush()
         os._exit(self.exit_code)

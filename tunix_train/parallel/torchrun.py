@@ -1,0 +1,35 @@
+"""What running under PyTorch's launcher (`torchrun`) changes.
+
+torchrun's agent keeps a store of its own on MASTER_ADDR:MASTER_PORT, so the processes it starts
+cannot put JAX's coordinator there as ours do: under torchrun the run-dir handshake takes
+MASTER_PORT + 1 (as everywhere) and JAX's coordinator MASTER_PORT + 2. When a process fails,
+torchrun stops the others with SIGTERM and prints a summary whose "Root Cause" is read from the
+file named by TORCHELASTIC_ERROR_FILE: a process that ends on one of our one-sentence errors
+writes the sentence there, so the summary shows it instead of "To enable traceback see …".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Mapping
+
+RUN_ID_ENV = "TORCHELASTIC_RUN_ID"  # set by torchrun for every process it starts
+COORDINATOR_PORT_OFFSET = 2  # MASTER_PORT: torchrun's store; + 1: the run-dir handshake
+
+
+def started_by_torchrun(env: Mapping[str, str] = os.environ) -> bool:
+    return bool(env.get(RUN_ID_ENV))
+
+
+def record_error(sentence: str, env: Mapping[str, str] = os.environ) -> None:
+    """Hands `sentence` to torchrun's failure summary (nothing outside torchrun)."""
+    path = env.get("TORCHELASTIC_ERROR_FILE")
+    if not path or not started_by_torchrun(env):
+        return
+    try:
+        with open(path, "w") as file:
+            json.dump({"message": sentence, "timestamp": str(int(time.time()))}, file)
+    except OSError:
+        pass  # the summary then says less; the sentence is on stderr and in train.log anyway
