@@ -4,6 +4,7 @@ each other, learning against a control run, resume against the uninterrupted run
 import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -260,7 +261,7 @@ def laptop(tmp_path_factory):
     repository (tests/typed_docs.py): the demo data, then the SFT run into outputs/sums-sft."""
     from typed_docs import Typed, ok, page_commands
 
-    demo_command, sft_command, grpo_command = page_commands("docs/grpo.md")
+    demo_command, sft_command, grpo_command = page_commands("docs/grpo.md")[:3]
     typed = Typed(tmp_path_factory.mktemp("typed") / "tunix_train")
     ok(typed.run(demo_command))
     ok(typed.run(sft_command))
@@ -268,10 +269,12 @@ def laptop(tmp_path_factory):
 
 
 def grpo_words(grpo_command: str, *extra: str) -> list[str]:
-    """The page's GRPO overrides (its relative paths hold in the typed copy), then `extra`."""
+    """The page's GRPO overrides (its relative paths hold in the typed copy) but its run dir (each
+    test has its own), then `extra`."""
     from test_docs import split_command
 
-    return [*split_command(grpo_command)[1], "logging.every_steps=1", *extra]
+    words = [w for w in split_command(grpo_command)[1] if not w.startswith("hydra.run.dir=")]
+    return [*words, "logging.every_steps=1", *extra]
 
 
 def metrics(run_dir: Path, key: str) -> dict[int, float]:
@@ -285,15 +288,25 @@ def test_the_laptop_example_learns_and_beats_a_control_run_with_lr_0(laptop):
     reward, stays where it started: any window of the control measures it)."""
     from typed_docs import ok
 
+    from typed_docs import page_commands
+
     typed, grpo_command = laptop
     window = 12
-    rewards = {}
-    for control in (False, True):
-        run_dir = f"outputs/grpo-control-{control}"
-        output = ok(typed.run(grpo_command, "logging.every_steps=1", f"hydra.run.dir={run_dir}",
-                              *([f"training.steps={window}", "optimizer.lr=0"] if control else [])))
-        assert "reward" in output  # the logged line shows it
+    rewards, outputs = {}, {}
+    for control in (False, True):  # the trained run exactly as typed: outputs/sums-grpo
+        run_dir = "outputs/grpo-control" if control else "outputs/sums-grpo"
+        outputs[control] = ok(typed.run(grpo_command, *(
+            [f"training.steps={window}", "optimizer.lr=0", f"hydra.run.dir={run_dir}"]
+            if control else [])))
+        assert "reward" in outputs[control]  # the logged line shows it
         rewards[control] = np.array(list(metrics(typed.root / run_dir, "reward_mean").values()))
+    # The figures the page shows are the ones its commands print.
+    page = (REPO / "docs" / "grpo.md").read_text()
+    shown_line = re.search(r"    (step 48/48 \| .*?) \| …", page).group(1)
+    assert shown_line in outputs[False]
+    [check] = page_commands("docs/grpo.md", "python -c")
+    printed = ok(typed.run(check)).strip()
+    assert f"prints `{printed}`" in " ".join(page.split())
     trained, control = rewards[False], rewards[True]
     assert len(trained) >= 4 * window and len(control) == window
     # Both runs see the same prompts in the same order and sample with the same keys: the first
