@@ -16,7 +16,7 @@ import shutil
 
 import pytest
 
-from typed_docs import (CPU_SCALE, SMALL_BATCH, Typed, cpu_scale, devices, last_printed, ok,
+from typed_docs import (CPU_SCALE, REPO, SMALL_BATCH, Typed, cpu_scale, devices, last_printed, ok,
                         page_commands, python_blocks, typed)  # noqa: F401 (typed: a fixture)
 
 pytestmark = pytest.mark.slow
@@ -139,11 +139,12 @@ def test_lora_page_as_typed(trained):
     """docs/lora.md: LoRA on the models page's Llama folder, both exports, generation, the PEFT
     snippet on the exported adapter, and the planner's command."""
     hugging_face_folders(trained)
-    [lora] = page_commands("docs/lora.md", "run_training.py")
+    [lora] = page_commands("docs/lora.md", "run_training.py model.init_from=hf:")
     output = ok(trained.run(lora, "training.steps=2", "data.seq_len=32", *SMALL_BATCH))
     assert "finished step 2 of 2; run dir: outputs/llama-lora" in output
     assert "LoRA: rank 16, alpha 16 on q, k, v, o, gate, up, down" in output
-    adapter, merged, generate, plan = page_commands("docs/lora.md", "python -m tunix_train.")
+    adapter, merged, generate, plan = page_commands("docs/lora.md", "outputs/llama-lora")[1:] + \
+        page_commands("docs/lora.md", "model=llama3_1_8b")
     ok(trained.run(adapter))
     ok(trained.run(merged))
     assert (trained.root / "exported/llama-lora-adapter/adapter_model.safetensors").is_file()
@@ -156,3 +157,25 @@ def test_lora_page_as_typed(trained):
     assert last_printed(result) == "PeftModelForCausalLM"
     output = ok(trained.run(plan))
     assert "verdict: fits" in output and re.search(r"frozen base 16\.\d\d GB", output)
+    # The model's parameters, not the adapters', and the LoRA line training prints.
+    assert "plan: llama3_1_8b (8,030,261,248 parameters)" in output
+    assert "LoRA: rank 16, alpha 16 on q, k, v, o, gate, up, down: 41,943,040 trainable" in output
+
+
+def test_lora_pages_laptop_example_as_typed(typed):
+    """docs/lora.md's laptop example, each command as typed (fewer steps, shorter sequences;
+    the model as shown): the LoRA and plan lines the page shows are the ones printed."""
+    base, lora, export = page_commands("docs/lora.md", "tiny")
+    [plan] = page_commands("docs/lora.md", "tunix_train.plan 'model.mesh_shape=[[1,1]")
+    shown = re.findall(r"^(?:LoRA|plan): .*$", (REPO / "docs/lora.md").read_text(), re.M)
+    lora_lines = {line.split("frozen base ")[1].split()[0]: line for line in shown
+                  if line.startswith("LoRA: rank 8")}
+    short = ["training.steps=2", "data.seq_len=32", "data.max_corpus_bytes=400000"]
+    ok(typed.run(base, *short))
+    assert lora_lines["float32"] in ok(typed.run(lora, *short))
+    ok(typed.run(export))
+    config = json.loads((typed.root / "exported/tiny-lora-merged/config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForCausalLM"]
+    output = ok(typed.run(plan))
+    [plan_line] = [line for line in shown if line.startswith("plan: gemma3_tiny")]
+    assert plan_line.split(" (compiled in")[0] in output and lora_lines["bfloat16"] in output

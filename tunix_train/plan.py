@@ -118,7 +118,12 @@ def _record(setup, costs, compile_s: float) -> dict[str, Any]:
     return {
         "model": cfg.model.name,
         "mesh": {name: int(size) for name, size in setup.mesh.shape.items()},
-        "num_params": sum(x.size for x in jax.tree.leaves(setup.params.abstract)),
+        # The model's parameters; under LoRA the trainable adapters are "lora_params".
+        "num_params": sum(x.size for x in jax.tree.leaves(
+            setup.params.base_abstract() if cfg.lora.on else setup.params.abstract)),
+        "lora_params": (sum(x.size for x in jax.tree.leaves(setup.params.abstract))
+                        if cfg.lora.on else 0),
+        "lora": setup.lora_line() if cfg.lora.on else None,
         "zero_stage": cfg.training.zero_stage,
         "compute_dtype": jnp.dtype(setup.options.compute_dtype).name,
         "sequences_per_step": setup.batch.sequences,
@@ -169,6 +174,7 @@ def _summary(record: dict[str, Any], costs) -> list[str]:
         f"{record['zero_stage']}, compute {record['compute_dtype']}, "
         f"{record['tokens_per_step']:,} tokens per step (compiled in "
         f"{record['compile_seconds']} s)",
+        *([record["lora"]] if record["lora"] else []),
         *([stages.line(record["pipeline"])] if record["pipeline"] else []),
         *costs.memory_lines("GB"), costs.sync_line(),
         f"FLOPs per step (all devices, as compiled): {record['flops_per_step']:.3e}",

@@ -182,13 +182,6 @@ def others(values: dict[str, float]) -> str:
     return "".join(f", {k} {v:.4f}" for k, v in values.items() if k != "loss")
 
 
-def _base_storage(cfg, setup: Setup) -> str:
-    if cfg.lora.base_quantization != "none":
-        return f"{cfg.lora.base_quantization} (blocks of 64, projections; the rest " \
-               f"{jnp.dtype(setup.options.compute_dtype).name})"
-    return jnp.dtype(setup.options.compute_dtype).name
-
-
 def log_startup(setup: Setup, state, writer: MetricsWriter) -> None:
     cfg, mesh, b = setup.cfg, setup.mesh, setup.batch
     devices = jax.devices()
@@ -210,14 +203,7 @@ def log_startup(setup: Setup, state, writer: MetricsWriter) -> None:
         f"master weights and optimizer state float32; zero_stage {cfg.training.zero_stage}",
     ]
     if cfg.lora.on:
-        frozen = state_lib.param_bytes(state[state_lib.FROZEN])
-        base = sum(x.size for x in jax.tree.leaves(setup.params.base_abstract()))
-        lines.append(
-            f"LoRA: rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g} on "
-            f"{', '.join(cfg.lora.target_names())}: {count:,} trainable parameters "
-            f"({100 * count / base:.2f}% of the base's {base:,}); frozen base "
-            f"{_base_storage(cfg, setup)} {frozen[0] / 1e6:.1f} MB, per device "
-            f"{frozen[1] / 1e6:.1f} MB")
+        lines.append(setup.lora_line())
     pipeline = stages.describe(setup.options.pipeline, cfg.model, b.rows // fsdp)
     if pipeline:
         lines.append(stages.line(pipeline))

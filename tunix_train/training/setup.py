@@ -12,6 +12,7 @@ does not have, and the benchmarks and tests to build exactly what a run builds.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -92,9 +93,16 @@ class Setup:
     def compile_train_step(self, loss_fn: LossFn = loss_sums,
                            extra: dict[str, jnp.dtype] | None = None) -> jax.stages.Compiled:
         """The real train step, compiled ahead of time from shapes alone (nothing allocated).
-        `extra`: more [accum, rows, seq_len] batch entries the loss reads, by dtype."""
-        return self.train_step(loss_fn).lower(self.state.with_shardings(),
-                                              self.abstract_batch(extra)).compile()
+        `extra`: more [accum, rows, seq_len] batch entries the loss reads, by dtype. Says that
+        it compiles and how long it took: seconds to minutes of silence otherwise."""
+        start = time.perf_counter()
+        log.info("compiling the train step (%s tokens per step on %s) …",
+                 f"{self.tokens_per_step:,}", " × ".join(f"{k}={v}" for k, v in
+                                                        self.mesh.shape.items()))
+        compiled = self.train_step(loss_fn).lower(self.state.with_shardings(),
+                                                  self.abstract_batch(extra)).compile()
+        log.info("compiled the train step in %.1f s", time.perf_counter() - start)
+        return compiled
 
     def runnable(self, compiled: jax.stages.Compiled, loss_fn: LossFn = loss_sums) -> Callable:
         """What the loop calls: `compiled`, except on the CPU with a 4-bit base (QLoRA's nf4).
@@ -206,6 +214,24 @@ class Setup:
                 f"random (training.seed={c.training.seed})"
             saved[checkpoint.LORA_BASE] = {"source": source, "fingerprint": fingerprint(frozen)}
         return saved
+
+    def lora_line(self) -> str:
+        """LoRA's start-up line (training's and the planner's): the adapters, the base they sit
+        on, and what the frozen base takes in all and on the busiest device, from the state's
+        shapes and shardings (no arrays needed)."""
+        lora, abstract = self.cfg.lora, self.state.abstract
+        count = sum(x.size for x in jax.tree.leaves(abstract["params"]))
+        base = sum(x.size for x in jax.tree.leaves(self.params.base_abstract()))
+        frozen = abstract.get(FROZEN, {})
+        total = sum(x.size * quantization.itemsize(x.dtype) for x in jax.tree.leaves(frozen))
+        per_device = costs.sharded_bytes(frozen, self.state.shardings.get(FROZEN, {}))
+        compute = jnp.dtype(self.options.compute_dtype).name
+        storage = compute if lora.base_quantization == "none" else (
+            f"{lora.base_quantization} (blocks of 64, projections; the rest {compute})")
+        return (f"LoRA: rank {lora.rank}, alpha {lora.alpha:g} on "
+                f"{', '.join(lora.target_names())}: {count:,} trainable parameters "
+                f"({100 * count / base:.2f}% of the base's {base:,}); frozen base {storage} "
+                f"{total / 1e6:.1f} MB, per device {per_device / 1e6:.1f} MB")
 
     def analyse(self, compiled: jax.stages.Compiled) -> costs.StepCosts:
         """What the compiled step costs per device: memory, FLOPs, communication."""
