@@ -1,6 +1,8 @@
 """The data pipeline: every source and tokenizer trains, packing isolates documents, SFT weights
 only the response, a restored iterator continues exactly, and bad input is one sentence."""
 
+import contextlib
+import io
 import json
 
 import jax
@@ -25,7 +27,14 @@ STEPS = 30  # enough for the held-out loss to fall clearly from its initial ~ln(
 def corpus(tmp_path_factory):
     """Every format, a SentencePiece model and a BPE tokenizer, trained here in seconds."""
     out = tmp_path_factory.mktemp("corpus")
-    demo.write_all(out)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        demo.write_all(out)
+    # What it prints is what it wrote: every file, text/'s documents as one line.
+    written = {str(p) for p in out.rglob("*") if p.is_file() and p.parent.name != "text"}
+    lines = printed.getvalue().splitlines()
+    assert {line for line in lines if not line.endswith("documents)")} == written
+    assert f"{out / 'text'}/ ({len(list((out / 'text').iterdir()))} documents)" in lines
     return out
 
 

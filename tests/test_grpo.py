@@ -125,7 +125,7 @@ GEMMA_TURN = families.FAMILIES["gemma3"].chat_turn
 @pytest.fixture(scope="module")
 def sums(tmp_path_factory) -> Path:
     """docs/grpo.md's demo_data/grpo/ folder."""
-    return demo.write_sums(tmp_path_factory.mktemp("demo_data")).parent
+    return demo.write_sums(tmp_path_factory.mktemp("demo_data"))
 
 
 def grpo_config(sums: Path, mesh: str, *extra: str):

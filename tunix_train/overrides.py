@@ -141,7 +141,10 @@ def explain(error: Exception, overrides: Sequence[str]) -> str:
     merging = re.search(r"Error merging override (\S+)", text)
     cause = _deepest_message(error)
     if merging:
-        key = merging.group(1).split("=", 1)[0].lstrip("+~")
+        key, _, value = merging.group(1).lstrip("+~").partition("=")
+        if "is not a ListConfig, list or tuple" in cause:
+            return (f"{key}={value}: {key} is a list; write {key}=[{value}] (several: "
+                    f"{key}=[a,b]).")
         return f"{merging.group(1)} does not fit {key}: {cause}; give a value of the right type."
     return f"the overrides {' '.join(overrides)} do not compose: {cause}."
 

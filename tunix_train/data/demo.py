@@ -77,7 +77,7 @@ def write_sft(out: Path, docs: list[str], pairs: int = 2000) -> Path:
 def write_sums(out: Path) -> Path:
     """A verifiable task for GRPO (docs/grpo.md): one-digit sums, every pair of digits. A few
     SFT steps on the pairs teach the format and a little arithmetic; GRPO prompts carry the
-    answer to check. Returns sums.jsonl's path."""
+    answer to check (sums.jsonl, the same in sums.parquet). Returns the folder."""
     out = out / "grpo"
     out.mkdir(parents=True, exist_ok=True)
     pairs = [(a, b) for a in range(10) for b in range(10)]
@@ -89,7 +89,7 @@ def write_sums(out: Path) -> Path:
     import pyarrow.parquet as pq
 
     pq.write_table(pa.Table.from_pylist(records), out / "sums.parquet")
-    return out / "sums.jsonl"
+    return out
 
 
 def write_preferences(out: Path, docs: list[str], pairs: int = 1000) -> Path:
@@ -151,13 +151,19 @@ def train_bpe(out: Path, docs: list[str], vocab_size: int = VOCAB_SIZE) -> Path:
 
 
 def write_all(out: Path) -> None:
+    """Writes every demo file under `out` and prints each file's path (a folder's files one by
+    one, except the text/ folder's hundreds of documents)."""
     out.mkdir(parents=True, exist_ok=True)
     docs = documents()
-    for write in (write_text, write_jsonl, write_parquet, write_sft, write_tokens,
-                  train_sentencepiece, train_bpe):
-        print(write(out, docs))
-    print(write_sums(out))
-    print(write_preferences(out, docs))
+    written = [write(out, docs) for write in (write_text, write_jsonl, write_parquet, write_sft,
+                                              write_tokens, train_sentencepiece, train_bpe)]
+    written += [write_sums(out), write_preferences(out, docs)]
+    for path in written:
+        if path.is_dir() and path.name != "text":
+            for file in sorted(path.iterdir()):
+                print(file)
+        else:
+            print(f"{path}/ ({len(list(path.iterdir()))} documents)" if path.is_dir() else path)
 
 
 if __name__ == "__main__":
