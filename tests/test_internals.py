@@ -66,6 +66,15 @@ def test_orbax_asks_the_manager_before_saving_at_a_preemption_step():
     assert not checkpoint._Manager.reached_preemption(None, 3)
 
 
+def test_jax_arrays_are_saved_by_their_first_replica_with_orbaxs_metadata_store():
+    """checkpoint.py replaces Orbax's jax.Array handler: replica-parallel saving off (as Orbax
+    has it on GPUs), the array metadata store of Orbax's own default kept (a private module)."""
+    handler = ocp.type_handlers.get_type_handler(jax.Array)
+    assert isinstance(handler, ocp.type_handlers.ArrayHandler)
+    assert handler._use_replica_parallel is False
+    assert type(handler._array_metadata_store).__name__ == "Store"
+
+
 def test_hydra_command_line_and_override_grammar():
     """overrides.hydra_arguments and overrides.parse use Hydra's own parsers."""
     args = overrides.hydra_arguments(["-m", "--cfg", "job", "a.b=1", "c=2,3"])

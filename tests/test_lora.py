@@ -206,6 +206,13 @@ def test_resume_is_bitwise_and_the_checkpoint_holds_the_adapters_only(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Export: PEFT's adapter on transformers' model, and the merged folder, against our logits.
 
+def logits_of(graphdef, params, tokens) -> np.ndarray:
+    """The model's logits, its forward pass compiled as one program (run op by op, it compiled
+    over a hundred small ones)."""
+    forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
+    return np.asarray(forward(params, jnp.asarray(tokens)))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_peft_loads_the_exported_adapter_and_the_merged_export_agrees(family, tmp_path):
     import peft
@@ -224,7 +231,7 @@ def test_peft_loads_the_exported_adapter_and_the_merged_export_agrees(family, tm
     tokens = np.random.default_rng(0).integers(0, 320, (2, 24))
     run = [f"checkpoint.resume_from={tmp_path / 'run'}", "export.dtype=float32"]
     cfg, layout, params = weights.for_inference(cli.compose(run), ())
-    ours = np.asarray(nnx.merge(layout.graphdef, params)(jnp.asarray(tokens)))
+    ours = logits_of(layout.graphdef, params, tokens)
 
     export(cli.compose([*run, f"export.path={tmp_path / 'adapter'}", "export.lora=adapter"]))
     export(cli.compose([*run, f"export.path={tmp_path / 'merged'}"]))
@@ -241,9 +248,8 @@ def test_peft_loads_the_exported_adapter_and_the_merged_export_agrees(family, tm
                                atol=1e-5 * scale)
     # A LoRA run as another run's starting point (checkpoint.init_params_from): folded alike.
     plain = ParamLayout.create(cfg.model, layout.mesh, 3)
-    folded = nnx.merge(plain.graphdef, plain.run_params(str(tmp_path / "run")))
-    np.testing.assert_allclose(np.asarray(folded(jnp.asarray(tokens))), theirs, rtol=0,
-                               atol=1e-5 * scale)
+    folded = logits_of(plain.graphdef, plain.run_params(str(tmp_path / "run")), tokens)
+    np.testing.assert_allclose(folded, theirs, rtol=0, atol=1e-5 * scale)
     with with_adapter.disable_adapter():  # the adapter is really there
         assert np.abs(hf_reference.logits(with_adapter, tokens) - theirs).max() > 1e-3 * scale
     assert isinstance(merged_model, transformers.PreTrainedModel)

@@ -38,6 +38,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
+from orbax.checkpoint._src.metadata import array_metadata_store
 
 from tunix_train.config import CheckpointConfig, ConfigError
 
@@ -65,6 +66,18 @@ STORAGE_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABOR
                  "UNKNOWN", "CANCELLED", "PERMISSION_DENIED")
 READ_ATTEMPTS = 3  # other read errors are retried this often, with growing pauses
 RETRY_PAUSE_S = 1.0
+
+
+# Each array is written by the devices of its first replica, on every backend, as Orbax does on
+# GPUs. Its default elsewhere (replica-parallel saving: replicas split a replicated shard among
+# themselves) slices every shard on each device eagerly: at a process's first save on 8 CPU
+# devices, ~120 one-op compiles, ~3.5 s, too short for the persistent cache to keep.
+# (The metadata store is the default handler's; Orbax names it only in a private module:
+# tests/test_internals.py.)
+ocp.type_handlers.register_type_handler(
+    jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False,
+                                              array_metadata_store=array_metadata_store.Store()),
+    override=True)
 
 
 class StorageError(OSError):
