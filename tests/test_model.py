@@ -82,7 +82,7 @@ def test_untrained_model_predicts_near_uniform_and_trains_from_scratch():
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
              "weights": jnp.ones((2, 32), jnp.float32)}
     loss_fn = lambda p: loss_sums(graphdef, p, batch)[0] / 64  # noqa: E731
-    loss, grads = jax.value_and_grad(loss_fn)(params)
+    loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params)  # one program, not op by op
     assert abs(float(loss) - np.log(cfg.vocab_size)) < 1.0
     # Every weight matrix gets a gradient: no layer starts dead (zero-initialised kernels would).
     norms = {jax.tree_util.keystr(k): float(jnp.abs(g).max())
@@ -98,7 +98,7 @@ def test_remat_changes_memory_not_numbers():
         _, model = _model(remat=remat)
         graphdef, params = nnx.split(model)
         batch = {"inputs": tokens, "targets": tokens, "weights": jnp.ones(tokens.shape)}
-        grads = jax.grad(lambda p: loss_sums(graphdef, p, batch)[0])(params)
+        grads = jax.jit(jax.grad(lambda p: loss_sums(graphdef, p, batch)[0]))(params)
         outs.append(jax.tree.leaves(grads))
     for other in outs[1:]:
         for a, b in zip(outs[0], other):
