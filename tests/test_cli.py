@@ -51,6 +51,10 @@ def test_a_run_ends_by_saying_where_it_is_and_a_finished_run_is_not_redone(tmp_p
         again.stdout
     assert "compiled" not in again.stdout and "devices:" not in again.stdout
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics  # no duplicate record
+    # Asked for fewer steps than the checkpoint holds: going on means past step 2.
+    fewer = run_cli([*args[:-2], "training.steps=1", "hydra.run.dir=run"], cwd=tmp_path)
+    assert "its checkpoint of step 2 reaches training.steps=1" in fewer.stdout
+    assert "training.steps=4 hydra.run.dir=run" in fewer.stdout.split("continue: ")[1]
 
 
 def test_default_run_dir_is_outputs_experiment_date_time(tmp_path):

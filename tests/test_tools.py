@@ -159,6 +159,9 @@ def test_bad_input_is_one_sentence_and_exit_2(exported, tmp_path):
           f"export.path={tmp_path / 'out'}"], "holds no committed checkpoint"),
         (["-m", "tunix_train.generate", f"model.init_from=hf:{exported}"],
          "set exactly one of generate.prompt"),
+        (["-m", "tunix_train.generate", f"model.init_from=hf:{exported}", "generate.prompt=hi",
+          "generate.max_new_tokens=0"], "generate.max_new_tokens=0 is out of range: it must be "
+                                        "at least 1."),
         ([str(REPO / "run_training.py"), f"model.init_from=hf:{exported}", "model.num_layers=3",
           f"hydra.run.dir={tmp_path}/run"], "model.num_layers=3 contradicts"),
     ]
@@ -168,6 +171,7 @@ def test_bad_input_is_one_sentence_and_exit_2(exported, tmp_path):
         output = result.stdout + result.stderr
         assert result.returncode == 2 and message in output, output[-2000:]
         assert "Traceback" not in output
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr  # one sentence only
 
 
 TOOLS = ("tunix_train.generate", "tunix_train.export")

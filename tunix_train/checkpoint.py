@@ -74,10 +74,20 @@ RETRY_PAUSE_S = 1.0
 # devices, ~120 one-op compiles, ~3.5 s, too short for the persistent cache to keep.
 # (The metadata store is the default handler's; Orbax names it only in a private module:
 # tests/test_internals.py.)
-ocp.type_handlers.register_type_handler(
-    jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False,
-                                              array_metadata_store=array_metadata_store.Store()),
-    override=True)
+def _first_replica_array_handler() -> None:
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # Orbax warns on stderr that it replaces its own handler
+    try:
+        ocp.type_handlers.register_type_handler(
+            jax.Array, ocp.type_handlers.ArrayHandler(
+                use_replica_parallel=False, array_metadata_store=array_metadata_store.Store()),
+            override=True)
+    finally:
+        absl.setLevel(level)
+
+
+_first_replica_array_handler()
 
 
 class StorageError(OSError):

@@ -257,4 +257,6 @@ class NextCommands:
         else:
             log.info("finished step %d of %d; run dir: %s", step, steps, self.run_dir)
         log.info("generate: %s", self.generate())
-        log.info("continue: %s", self.train(2 * steps))
+        # Past the step reached: a run asked for fewer steps than its checkpoint holds (already
+        # complete) continues from there, not to a step it has passed.
+        log.info("continue: %s", self.train(2 * max(step, steps)))

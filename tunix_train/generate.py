@@ -11,7 +11,7 @@ import json
 import sys
 from typing import Any, Iterable
 
-from tunix_train import cli
+from tunix_train import cli, validation
 from tunix_train.inference import weights
 from tunix_train.config import Config, ConfigError
 from tunix_train.data import tokenizer as tokenizer_lib
@@ -60,6 +60,7 @@ def generate(cfg: Config, explicit: Iterable[str] = (),
              tokenizer_chosen: bool = False) -> dict[str, Any]:
     """`explicit`: model keys given on the command line; `tokenizer_chosen`: so was
     `data.tokenizer` (else the weights' own tokenizer is used)."""
+    validation.check_values(cfg, ("generate",))  # before any weights are read
     tok = tokenizer(cfg, tokenizer_chosen)
     ids = prompt_ids(cfg, tok)
     sampling = options(cfg, tok)
