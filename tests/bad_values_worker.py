@@ -43,6 +43,8 @@ def main() -> None:
         run_dir = Path(base) / f"run{i}"
         overrides = override if isinstance(override, list) else [override]
         result = run_once(module.main, [*overrides, f"hydra.run.dir={run_dir}"])
+        # A refused command leaves no run dir (cli.refused_leaves_no_run_dir); a log if it did.
+        result["run_dir_left"] = run_dir.exists()
         log = run_dir / "train.log"
         result["log"] = log.read_text() if log.exists() else ""
         print(json.dumps({"override": override, **result}), flush=True)

@@ -113,7 +113,8 @@ def test_a_mistake_hydra_reports_or_ignores_is_one_sentence_and_exit_2(mistake, 
     [line] = run["stderr"].strip().splitlines()
     assert HYDRA_MISTAKES[mistake] in line
     assert "error" not in run["stdout"] and "Traceback" not in run["stderr"]
-    assert "devices:" not in run["log"]  # nothing ran: refused before devices, data or compiling
+    # Nothing ran: refused before devices, data or compiling, and no run dir left behind.
+    assert "devices:" not in run["stdout"] and not run["run_dir_left"]
 
 
 BAD_VALUES = [
@@ -159,5 +160,5 @@ def test_a_bad_value_is_one_sentence_on_stderr_before_any_work(override, bad_val
     assert f"error: {key}=" in line and " is out of range: it must be " in line
     assert float(line.split(f"{key}=")[1].split()[0]) == float(value)
     assert "error" not in run["stdout"]  # stdout may go to a file; the sentence must not hide there
-    # Nothing ran before the check: the run's log holds that one line, no devices, no data.
-    assert run["log"].strip().splitlines() == [line]
+    # Nothing ran before the check: not a line on the console, and no run dir left behind.
+    assert run["stdout"].strip() == "" and not run["run_dir_left"]

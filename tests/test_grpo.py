@@ -374,7 +374,8 @@ def test_bad_input_is_one_sentence_and_a_nonzero_exit(sums, tmp_path):
         assert run["code"] == 2, (override, run["stderr"][-2000:])
         [message] = run["stderr"].strip().splitlines()
         assert expected in message, (override, message)
-        assert "compiled step" not in run["log"]  # refused before compiling anything
+        # Refused before compiling anything: nothing on the console, no run dir left.
+        assert "compil" not in run["stdout"] and not run["run_dir_left"]
 
 
 def test_two_processes_through_the_launcher(laptop):

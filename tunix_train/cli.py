@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import shlex
+import shutil
 import sys
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -167,6 +168,29 @@ def lost_peer(error: BaseException) -> str | None:
     return None
 
 
+# What Hydra puts in a run dir before our code runs: a dir holding nothing else has no run in it.
+_HYDRA_ONLY = {".hydra", "train.log"}
+
+
+@contextlib.contextmanager
+def refused_leaves_no_run_dir(run_dir: Path, cwd: Path) -> Iterator[None]:
+    """A command refused for its configuration leaves no run dir behind (Hydra makes one, with
+    its .hydra/ and a train.log holding the error, before any check can run): the dir goes if
+    that is all it holds, and so do the date and experiment dirs above it under `cwd` that it
+    leaves empty. A dir holding anything else (checkpoints, metrics, a user's files) stays."""
+    try:
+        yield
+    except ConfigError:
+        if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= _HYDRA_ONLY:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            for parent in list(run_dir.parents)[:3]:  # <date>, <experiment>, outputs
+                if not parent.resolve().is_relative_to(cwd.resolve()) or parent == cwd:
+                    break
+                with contextlib.suppress(OSError):
+                    parent.rmdir()  # only if empty
+        raise
+
+
 def run_training(cfg: DictConfig, run_dir: str, hooks=None) -> None:
     """`hooks`: tests/faulty_training.py's fault injection; run_training.py passes none."""
     from hydra.core.hydra_config import HydraConfig
@@ -175,7 +199,7 @@ def run_training(cfg: DictConfig, run_dir: str, hooks=None) -> None:
     from tunix_train.training import run as run_lib
 
     hydra = HydraConfig.get()
-    with user_errors():
+    with user_errors(), refused_leaves_no_run_dir(Path(run_dir), Path(hydra.runtime.cwd)):
         config = typed(cfg, hydra.overrides.task, Path(hydra.runtime.cwd))
         validation.validate(config)
         nexts = NextCommands.of(hydra.overrides.task, Path(run_dir), Path(hydra.runtime.cwd))
