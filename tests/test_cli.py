@@ -98,7 +98,7 @@ HYDRA_MISTAKES = {
     "checkpoint.init_params_from=outputs/nope": "checkpoint.init_params_from=outputs/nope does "
                                                 "not exist",
     "model.mesh_shape=[[1,2,1],[fsdp,cp,tp]] data.seq_len=33":
-        "data.seq_len=33 does not split into 2 × cp=4 equal chunks (model.mesh_shape: each cp "
+        "data.seq_len=33 does not split into 4 (2 × cp=2) equal chunks (model.mesh_shape: each cp "
         "device holds an early and a late one); choose a data.seq_len divisible by 4.",
     "training.global_batch_size=16 training.micro_batch_size=2":
         "training.global_batch_size=16 but training.micro_batch_size=2 × fsdp=1 × "
