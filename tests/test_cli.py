@@ -57,6 +57,15 @@ def test_a_run_ends_by_saying_where_it_is_and_a_finished_run_is_not_redone(tmp_p
     assert "training.steps=4 hydra.run.dir=run" in fewer.stdout.split("continue: ")[1]
 
 
+def test_a_run_dir_that_cannot_be_made_is_one_sentence_and_exit_2(tmp_path):
+    (tmp_path / "notes.txt").write_text("a file, not a directory")
+    result = run_cli([*TINY, "hydra.run.dir=notes.txt/run"], cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"{result.stderr.split('error: ')[0]}error: hydra.run.dir=notes.txt/run cannot be created "
+        f"(Not a directory at notes.txt/run); give a directory you can write to."]
+
+
 def test_default_run_dir_is_outputs_experiment_date_time(tmp_path):
     result = run_cli([*TINY, "training.steps=1", "experiment.name=smoke"], cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
