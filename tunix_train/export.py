@@ -17,6 +17,7 @@ came from `model.init_from=hf:<dir>`.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -48,6 +49,13 @@ def export(cfg: Config, explicit: Iterable[str] = (), tokenizer_chosen: bool = F
         raise ConfigError(
             "nothing to export: set checkpoint.resume_from=<run dir> (or model.init_from=hf:<dir>)."
         )
+    out = Path(cfg.export.path).expanduser()
+    try:  # before the weights are loaded: a folder that cannot be made is one sentence
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"export.path={cfg.export.path} cannot be created "
+                          f"({os.strerror(error.errno)} at {error.filename}); give a folder you "
+                          f"can write to.") from None
     source = weights.tokenizer_source(cfg, tokenizer_chosen)
     tok = None if source == "none" else tokenizer_lib.open_tokenizer(source)  # fails before loading
     trained = weights.saved_lora(cfg.checkpoint.resume_from)[0] if cfg.checkpoint.resume_from \
@@ -57,7 +65,6 @@ def export(cfg: Config, explicit: Iterable[str] = (), tokenizer_chosen: bool = F
                           f"{cfg.checkpoint.resume_from or cfg.model.init_from} has none "
                           f"(lora.rank=0); drop export.lora to export the whole model.")
     cfg, layout, params = weights.for_inference(cfg, explicit)
-    out = Path(cfg.export.path).expanduser()
     origin = weights.hf_origin(cfg.model)
     if layout.frozen is not None and cfg.export.lora == "adapter":
         return _export_adapter(cfg, params, out, origin)
