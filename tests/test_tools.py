@@ -157,9 +157,9 @@ def test_bad_input_is_one_sentence_and_exit_2(exported, tmp_path):
     (tmp_path / "notes.txt").write_text("a file, not a folder")
     cases = [
         (["-m", "tunix_train.export", f"model.init_from=hf:{exported}",
-          "export.path=notes.txt/out"], "export.path=notes.txt/out cannot be created (Not a "
-                                        "directory at notes.txt/out); give a folder you can "
-                                        "write to."),
+          "export.path=notes.txt/out"],  # resolved against the starting directory
+         f"export.path={tmp_path}/notes.txt/out cannot be created (Not a directory at "
+         f"{tmp_path}/notes.txt/out); give a folder you can write to."),
         (["-m", "tunix_train.export", f"checkpoint.resume_from={tmp_path}",
           f"export.path={tmp_path / 'out'}"], "holds no committed checkpoint"),
         (["-m", "tunix_train.generate", f"model.init_from=hf:{exported}"],
