@@ -49,13 +49,6 @@ def export(cfg: Config, explicit: Iterable[str] = (), tokenizer_chosen: bool = F
         raise ConfigError(
             "nothing to export: set checkpoint.resume_from=<run dir> (or model.init_from=hf:<dir>)."
         )
-    out = Path(cfg.export.path).expanduser()
-    try:  # before the weights are loaded: a folder that cannot be made is one sentence
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise ConfigError(f"export.path={cfg.export.path} cannot be created "
-                          f"({os.strerror(error.errno)} at {error.filename}); give a folder you "
-                          f"can write to.") from None
     source = weights.tokenizer_source(cfg, tokenizer_chosen)
     tok = None if source == "none" else tokenizer_lib.open_tokenizer(source)  # fails before loading
     trained = weights.saved_lora(cfg.checkpoint.resume_from)[0] if cfg.checkpoint.resume_from \
@@ -64,6 +57,13 @@ def export(cfg: Config, explicit: Iterable[str] = (), tokenizer_chosen: bool = F
         raise ConfigError(f"export.lora=adapter writes a LoRA run's adapters, but "
                           f"{cfg.checkpoint.resume_from or cfg.model.init_from} has none "
                           f"(lora.rank=0); drop export.lora to export the whole model.")
+    out = Path(cfg.export.path).expanduser()
+    try:  # before the weights are loaded: a folder that cannot be made is one sentence
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"export.path={cfg.export.path} cannot be created "
+                          f"({os.strerror(error.errno)} at {error.filename}); give a folder you "
+                          f"can write to.") from None
     cfg, layout, params = weights.for_inference(cfg, explicit)
     origin = weights.hf_origin(cfg.model)
     if layout.frozen is not None and cfg.export.lora == "adapter":
