@@ -156,9 +156,11 @@ def user_errors() -> Iterator[None]:
         lost = lost_peer(error)
         if lost is None:
             raise
-        log.error("error: a collective failed because another process of the job is gone (%s); "
-                  "this process stops too. The process that failed first says why: its own "
-                  "lines, or torchrun's or srun's summary.", lost)
+        sentence = (f"a collective failed because another process of the job is gone ({lost}); "
+                    f"this process stops too. The process that failed first says why: its own "
+                    f"lines, or torchrun's or srun's summary.")
+        log.error("error: %s", sentence)
+        torchrun.record_error(sentence, consequence=True)
         for handler in logging.getLogger().handlers:
             handler.flush()
         # Not sys.exit: JAX's shutdown would wait for the lost process (30 s under torchrun,

@@ -23,13 +23,18 @@ def started_by_torchrun(env: Mapping[str, str] = os.environ) -> bool:
     return bool(env.get(RUN_ID_ENV))
 
 
-def record_error(sentence: str, env: Mapping[str, str] = os.environ) -> None:
-    """Hands `sentence` to torchrun's failure summary (nothing outside torchrun)."""
+def record_error(sentence: str, consequence: bool = False,
+                 env: Mapping[str, str] = os.environ) -> None:
+    """Hands `sentence` to torchrun's failure summary (nothing outside torchrun). Its Root Cause
+    is the failure with the earliest timestamp, in whole seconds, the lowest rank on a tie: a
+    `consequence` (this process stopped because another failed) is dated a second later, so
+    that the process that failed first is named even when both end within one second."""
     path = env.get("TORCHELASTIC_ERROR_FILE")
     if not path or not started_by_torchrun(env):
         return
     try:
         with open(path, "w") as file:
-            json.dump({"message": sentence, "timestamp": str(int(time.time()))}, file)
+            json.dump({"message": sentence,
+                       "timestamp": str(int(time.time()) + int(consequence))}, file)
     except OSError:
         pass  # the summary then says less; the sentence is on stderr and in train.log anyway
