@@ -18,6 +18,20 @@ def test_product_mismatch_names_the_arithmetic():
         mesh_lib.parse([[2, 2, 1], ["pp", "fsdp", "tp"]], 8)
 
 
+def test_the_simulated_device_advice_counts_one_processs_devices(monkeypatch):
+    """XLA_FLAGS's count is per process: under a launcher of 2 processes a 16-device mesh
+    needs 8 each (following the whole count would ask for twice the devices)."""
+    with pytest.raises(ConfigError, match=r"device_count=16\.$"):  # one process: all of them
+        mesh_lib.parse([[8, 2], ["fsdp", "tp"]], 8)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ConfigError, match=r"to simulate 16 devices over 2 processes set "
+                                          r"XLA_FLAGS=--xla_force_host_platform_device_count=8 "
+                                          r"\(devices per process\)"):
+        mesh_lib.parse([[8, 2], ["fsdp", "tp"]], 8)
+    with pytest.raises(ConfigError, match="device count divisible by 2"):
+        mesh_lib.parse([[3, 1], ["fsdp", "tp"]], 8)
+
+
 def test_a_pipeline_axis_is_optional_and_filled_like_the_others():
     shape = mesh_lib.parse([[2, -1, 2], ["pp", "fsdp", "tp"]], 16)
     assert (shape.pp, shape.fsdp, shape.tp) == (2, 4, 2)

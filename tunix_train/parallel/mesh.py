@@ -98,8 +98,17 @@ def cpu_hint(wanted: int) -> str:
         return ""
     gpu = (", or for this machine's NVIDIA GPUs install JAX's CUDA wheels (pip install -c "
            "constraints.txt -e '.[cuda]')" if nvidia_gpus_present() else "")
-    return (f"; JAX runs on the CPU here: to simulate {wanted} devices set "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={wanted}{gpu}")
+    processes = jax.process_count()
+    if processes == 1:
+        return (f"; JAX runs on the CPU here: to simulate {wanted} devices set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={wanted}{gpu}")
+    if wanted % processes:
+        return (f"; JAX runs on the CPU here, in {processes} processes: a simulated mesh needs a "
+                f"device count divisible by {processes}{gpu}")
+    # The flag counts one process's devices: each of the job's processes gets that many.
+    return (f"; JAX runs on the CPU here: to simulate {wanted} devices over {processes} "
+            f"processes set XLA_FLAGS=--xla_force_host_platform_device_count="
+            f"{wanted // processes} (devices per process){gpu}")
 
 
 def nvidia_gpus_present() -> bool:
