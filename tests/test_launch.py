@@ -295,3 +295,14 @@ def test_a_taken_coordinator_port_under_torchrun_is_one_sentence_in_torchruns_su
     root_cause = output[output.index("Root Cause"):]
     assert "exitcode  : 2" in root_cause and "give torchrun another --master_port" in root_cause
     assert "torchrun stops every process of a job when one of them fails" in output
+
+
+@pytest.mark.parametrize("nprocs,world,message", [
+    (0, None, "error: --nprocs=0 starts no process; give the number of processes to start on "
+              "this machine, one per GPU (at least 1)."),
+    (4, "2", "error: --nprocs=4 is more than WORLD_SIZE=2, the job's processes on all machines; "
+             "raise WORLD_SIZE or lower --nprocs.")])
+def test_a_launch_the_user_must_fix_is_one_sentence_and_exit_2(tmp_path, nprocs, world, message):
+    proc = launch([], tmp_path, {"WORLD_SIZE": world} if world else {}, nprocs=nprocs)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and output.strip().splitlines() == [message]

@@ -59,13 +59,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _refuse(sentence: str) -> None:
+    """A launch the user must fix: one sentence on stderr, exit code 2 (as for any config)."""
+    print(f"error: {sentence}", file=sys.stderr)
+    sys.exit(2)
+
+
 def node_job(nprocs: int, env=os.environ) -> NodeJob:
+    if nprocs < 1:
+        _refuse(f"--nprocs={nprocs} starts no process; give the number of processes to start "
+                f"on this machine, one per GPU (at least 1).")
     world = int(env.get("WORLD_SIZE", nprocs))
-    if nprocs < 1 or world < nprocs:
-        sys.exit(f"error: --nprocs={nprocs} must be at least 1 and at most WORLD_SIZE={world}.")
+    if world < nprocs:
+        _refuse(f"--nprocs={nprocs} is more than WORLD_SIZE={world}, the job's processes on "
+                f"all machines; raise WORLD_SIZE or lower --nprocs.")
     if world > nprocs and "MASTER_PORT" not in env:
-        sys.exit(f"error: WORLD_SIZE={world} spans several nodes, so MASTER_ADDR and "
-                 f"MASTER_PORT must be set to the same values on every node.")
+        _refuse(f"WORLD_SIZE={world} spans several nodes, so MASTER_ADDR and MASTER_PORT must "
+                f"be set to the same values on every node.")
     port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else _free_port()
     return NodeJob(nprocs, int(env.get("RANK", 0)), world, env.get("MASTER_ADDR", "127.0.0.1"),
                    port)
