@@ -114,8 +114,18 @@ def test_chat_messages_take_the_familys_turns_and_parquet_equals_json_lines(pair
     assert tokenizer.decode(first.prompt[1:]).startswith("<start_of_turn>user\nreverse ")
     assert tokenizer.decode(first.chosen[:-1]).endswith("<end_of_turn>\n")
     (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "a", "chosen": "b"}) + "\n")
-    with pytest.raises(ConfigError, match="data.rejected_field: .* has no field 'rejected'"):
+    # Its other fields are the prompt and the chosen response: the pair lacks its rejected
+    # one, and pointing data.rejected_field at either would be wrong advice.
+    with pytest.raises(ConfigError, match=r"data.rejected_field: .* has no field 'rejected' \(it "
+                                          r"has prompt, chosen\); every record needs one: add it "
+                                          r"there, or set data.rejected_field to the field that "
+                                          r"holds it\.$"):
         read(tmp_path / "bad.jsonl", f"data.eval_path={pairs}")
+    (tmp_path / "named.jsonl").write_text(json.dumps({"prompt": "a", "chosen": "b",
+                                                      "worse": "c"}) + "\n")
+    with pytest.raises(ConfigError, match=r"\(it has prompt, chosen, worse\); set "
+                                          r"data.rejected_field to one of worse\.$"):
+        read(tmp_path / "named.jsonl", f"data.eval_path={pairs}")
 
 
 @pytest.mark.parametrize("override,match", [

@@ -55,10 +55,10 @@ def whole_records(file: Path, required: dict[str, str]) -> list[dict]:
     every such field."""
     if file.suffix == ".parquet":
         columns = _parquet_columns(file)
-        for field, key in required.items():
+        for field in required:
             if field not in columns:
-                raise ConfigError(f"{key}: {file} has no column {field!r} (it has "
-                                  f"{', '.join(columns) or 'none'}); set {key} to one of them.")
+                raise ConfigError(missing_field(required, field, str(file), "column",
+                                                list(columns)))
         rows = len(next(iter(columns.values()), []))
         return [{name: values[i] for name, values in columns.items()} for i in range(rows)]
     lines = _WholeRecords([file], required)
@@ -86,7 +86,19 @@ class _WholeRecords(JsonLines):
             raise ConfigError(f"data.path: {where} is not a JSON object; each line must be one.")
         for field in self.fields:
             if field not in record:
-                key = self.keys.get(field, "data.path")
-                raise ConfigError(f"{key}: {where} has no field {field!r} (it has "
-                                  f"{', '.join(record) or 'none'}); set {key} to one of them.")
+                raise ConfigError(missing_field(self.keys, field, where, "field", list(record)))
         return dict(record)
+
+
+def missing_field(required: dict[str, str], field: str, where: str, kind: str,
+                  present: list[str]) -> str:
+    """The sentence for a record (or table) without `field`: the fields it has that no other
+    key already names are what `required[field]` may point at; if there are none, the data
+    lacks it."""
+    key = required.get(field, "data.path")
+    free = [name for name in present if name not in required]
+    fix = (f"set {key} to {free[0]}" if len(free) == 1 else
+           f"set {key} to one of {', '.join(free)}" if free else
+           f"every record needs one: add it there, or set {key} to the {kind} that holds it")
+    return (f"{key}: {where} has no {kind} {field!r} (it has {', '.join(present) or 'none'}); "
+            f"{fix}.")
