@@ -124,7 +124,7 @@ def test_chat_messages_take_the_familys_turns_and_parquet_equals_json_lines(pair
     (tmp_path / "named.jsonl").write_text(json.dumps({"prompt": "a", "chosen": "b",
                                                       "worse": "c"}) + "\n")
     with pytest.raises(ConfigError, match=r"\(it has prompt, chosen, worse\); set "
-                                          r"data.rejected_field to one of worse\.$"):
+                                          r"data.rejected_field to worse\.$"):
         read(tmp_path / "named.jsonl", f"data.eval_path={pairs}")
 
 
