@@ -201,6 +201,15 @@ def test_resume_is_bitwise_and_the_checkpoint_holds_the_adapters_only(tmp_path):
                                      "training.gradient_accumulation_steps=2"), jax.devices()[:4])
     with pytest.raises(ConfigError, match="LoRA adapters of another base.*training.seed=7"):
         other.initial_state(tmp_path, other.open_data().train)
+    # The same source quantized: the key that changed is named, with the value to resume with.
+    quantized = Setup.create(lora_config("llama3", mesh_arg(2, 2), "lora.base_quantization=int8",
+                                         "training.micro_batch_size=2",
+                                         "training.gradient_accumulation_steps=2"),
+                             jax.devices()[:4])
+    with pytest.raises(ConfigError, match=r"another base: lora.base_quantization=none there, "
+                                          r"int8 here; nothing was moved: resume with "
+                                          r"lora.base_quantization=none, or start afresh"):
+        quantized.initial_state(tmp_path, quantized.open_data().train)
 
 
 # ---------------------------------------------------------------------------------------------

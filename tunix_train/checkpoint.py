@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import time
 from dataclasses import dataclass
@@ -331,20 +332,51 @@ def _check_structure(manager: _Manager, directory: Path, step: int, target: Any,
 
 def _check_lora_base(manager: _Manager, directory: Path, step: int, config: dict | None) -> None:
     """LoRA adapters are only meaningful on the base they were trained on: a checkpoint whose
-    recorded base (source and fingerprint) is not this run's is refused by name."""
+    recorded base (source and fingerprint) is not this run's is refused by name, naming the
+    keys that make the base another one where one of them changed."""
     now = (config or {}).get(LORA_BASE)
     if now is None:
         return
-    saved = dict(manager.restore(step, args=ocp.args.Composite(
-        config=ocp.args.JsonRestore())).config).get(LORA_BASE)
-    if saved != now:
-        there = "none (not a LoRA run)" if saved is None else \
-            f"{saved['source']} (fingerprint {saved['fingerprint']})"
-        raise ConfigError(
-            f"checkpoint {directory / str(step)} holds LoRA adapters of another base: {there} "
-            f"there, {now['source']} (fingerprint {now['fingerprint']}) here; nothing was "
-            f"moved: give the same base (model.init_from or checkpoint.init_params_from), or "
-            f"start afresh in another hydra.run.dir.")
+    saved_config = dict(manager.restore(step, args=ocp.args.Composite(
+        config=ocp.args.JsonRestore())).config)
+    saved = saved_config.get(LORA_BASE)
+    if saved is not None and _same_base(saved, now):
+        return
+    where = f"checkpoint {directory / str(step)} holds LoRA adapters of another base"
+    keep = "nothing was moved"
+    changed = [(f"{section}.{key}", _get(saved_config, section, key), _get(config, section, key))
+               for section, key in _BASE_KEYS]
+    changed = [(k, there, here) for k, there, here in changed if there != here]
+    if saved is not None and changed:
+        named = "; ".join(f"{k}={there} there, {here} here" for k, there, here in changed)
+        back = " ".join(f"{k}={there}" for k, there, _ in changed)
+        raise ConfigError(f"{where}: {named}; {keep}: resume with {back}, or start afresh in "
+                          f"another hydra.run.dir.")
+    there = "none (not a LoRA run)" if saved is None else \
+        f"{saved['source']} (fingerprint {_digits(saved['fingerprint'])})"
+    raise ConfigError(
+        f"{where}: {there} there, {now['source']} (fingerprint {_digits(now['fingerprint'])}) "
+        f"here; {keep}: give the same base (model.init_from or checkpoint.init_params_from), or "
+        f"start afresh in another hydra.run.dir.")
+
+
+# What decides the frozen base's values beside its source.
+_BASE_KEYS = (("lora", "base_quantization"), ("training", "mixed_precision"),
+              ("model", "init_from"), ("checkpoint", "init_params_from"))
+
+
+def _get(config: dict | None, section: str, key: str) -> Any:
+    return ((config or {}).get(section) or {}).get(key)
+
+
+def _same_base(saved: dict, now: dict) -> bool:
+    """The same source and fingerprint: the digest compared as a number (to its 6 digits)."""
+    return saved["source"] == now["source"] and math.isclose(
+        float(saved["fingerprint"]), float(now["fingerprint"]), rel_tol=1e-5)
+
+
+def _digits(fingerprint: str) -> str:
+    return f"{float(fingerprint):.6e}"
 
 
 def _only(shapes: dict[str, tuple], part: str) -> dict[str, tuple]:
