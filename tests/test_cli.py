@@ -102,6 +102,8 @@ HYDRA_MISTAKES = {
     "model.mesh_shape=[[4,1],[fsdp,tp]": "'model.mesh_shape=[[4,1],[fsdp,tp]' is not a valid "
                                          "override",
     "training.steps=abc": "training.steps=abc does not fit training.steps: Value 'abc'",
+    "generate.prompt=f(x)=2x": "check its brackets and quotes, e.g. text in double quotes "
+                               "inside single ones: 'generate.prompt=\"f(x)=2x\"'.",
     "lora.targets=all": "lora.targets=all: lora.targets is a list; write lora.targets=[all]",
     "data.path=corpus.csv": "data.path=corpus.csv needs a data= group",
     "checkpoint.init_params_from=outputs/nope": "checkpoint.init_params_from=outputs/nope does "

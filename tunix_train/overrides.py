@@ -50,10 +50,13 @@ def parse(overrides: Sequence[str]) -> list:
             parsed.extend(parser.parse_overrides([override]))
         except OverrideParseException as error:
             reason = str(error).splitlines()[0]
-            raise ConfigError(
-                f"{override!r} is not a valid override ({reason}); check its brackets and "
-                f"quotes, e.g. 'model.mesh_shape=[[4,1],[\"fsdp\",\"tp\"]]' in single quotes."
-            ) from None
+            key, _, value = override.partition("=")
+            example = "'model.mesh_shape=[[4,1],[\"fsdp\",\"tp\"]]' in single quotes"
+            if value and not value.lstrip().startswith(("[", "{")) and '"' not in value:
+                # Text (a prompt, a name): Hydra reads ( ) = , : and spaces as its own syntax.
+                example = f"text in double quotes inside single ones: '{key}=\"{value}\"'"
+            raise ConfigError(f"{override!r} is not a valid override ({reason}); check its "
+                              f"brackets and quotes, e.g. {example}.") from None
     return parsed
 
 
