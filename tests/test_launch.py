@@ -112,6 +112,10 @@ def test_two_launchers_act_as_two_nodes(tmp_path, reference):
     outputs = [node.communicate(timeout=600)[0] for node in nodes]
     assert [n.returncode for n in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
     np.testing.assert_allclose(losses(only_run_dir(tmp_path)), reference[(4, 1)], rtol=1e-5)
+    # Going on needs the same environment: node 0's line carries it (RANK: its first rank).
+    assert (f"continue: XLA_FLAGS=--xla_force_host_platform_device_count=2 "
+            f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port} RANK=0 WORLD_SIZE=2 python -m "
+            f"tunix_train.launch --nprocs=1 run_training.py") in outputs[0]
 
 
 def _children(pid: int) -> list[int]:
@@ -171,6 +175,9 @@ def test_processes_started_by_hand_seconds_apart_share_one_run_dir(tmp_path, ref
     np.testing.assert_allclose(losses(only_run_dir(tmp_path)), reference[(4, 1)], rtol=1e-5)
     assert "(MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE)" in outputs[0]
     assert "launcher" not in outputs[0]
+    assert (f"continue: XLA_FLAGS=--xla_force_host_platform_device_count=2 "
+            f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port} RANK=0 WORLD_SIZE=2 python "
+            f"run_training.py") in outputs[0]
 
 
 def test_a_lone_process_says_what_it_waits_for_then_gives_up(tmp_path):
@@ -253,8 +260,9 @@ def test_two_torchrun_nodes_started_apart_reproduce_the_single_process_losses(tm
     run_dir = only_run_dir(tmp_path)
     np.testing.assert_allclose(losses(run_dir), reference[(4, 1)], rtol=1e-5)
     assert "(started by torchrun)" in outputs[0]
-    assert "continue: torchrun --nproc_per_node=1 --nnodes=2 --node_rank=<this node> " \
-           "run_training.py" in outputs[0]
+    # What to type to go on: the simulated devices the run had, and torchrun's own form.
+    assert "continue: XLA_FLAGS=--xla_force_host_platform_device_count=2 torchrun " \
+           "--nproc_per_node=1 --nnodes=2 --node_rank=<this node> run_training.py" in outputs[0]
 
 
 def test_a_rank_killed_under_torchrun_ends_the_job_and_is_named(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -254,6 +255,26 @@ def _scheduler_start(job) -> str | None:
     return None
 
 
+def _environment(job) -> list[str]:
+    """The variables the run needed that a command typed again needs too: the simulated CPU
+    device count, and the job's MASTER_*, RANK and WORLD_SIZE where the user set them (by hand,
+    or for a node's launcher; RANK: the first of this node's processes)."""
+    from tunix_train.parallel.launcher import LAUNCHER_ENV
+
+    words = []  # (no JAX call here: it runs before jax.distributed.initialize)
+    count = re.search(r"--xla_force_host_platform_device_count=\d+",
+                      os.environ.get("XLA_FLAGS", ""))
+    if count:  # it only counts CPU devices, so it was set for a CPU
+        words.append(f"XLA_FLAGS={count.group(0)}")
+    env = os.environ
+    across = int(env.get("WORLD_SIZE", 1)) > int(env.get("LOCAL_WORLD_SIZE", 1))
+    if job.source == "env" or (env.get(LAUNCHER_ENV) and across):
+        first = int(env["RANK"]) - (int(env.get("LOCAL_RANK", 0)) if env.get(LAUNCHER_ENV) else 0)
+        words += [f"MASTER_ADDR={env['MASTER_ADDR']}", f"MASTER_PORT={env['MASTER_PORT']}",
+                  f"RANK={first}", f"WORLD_SIZE={env['WORLD_SIZE']}"]
+    return words
+
+
 class NextCommands:
     """What to type next, said at the end of every run: where it is and how to go on."""
 
@@ -268,12 +289,14 @@ class NextCommands:
         shown = os.path.relpath(run_dir, cwd) if run_dir.resolve().is_relative_to(
             cwd.resolve()) else str(run_dir)
         kept = [o for o in overrides if not o.startswith(("hydra.run.dir=", "training.steps="))]
-        start = "python run_training.py"
+        start, job = "python run_training.py", distributed.discover()
         if os.environ.get(LAUNCHER_ENV):
             start = (f"python -m tunix_train.launch --nprocs="
                      f"{os.environ.get('LOCAL_WORLD_SIZE', 1)} run_training.py")
         else:
-            start = _scheduler_start(distributed.discover()) or start
+            start = _scheduler_start(job) or start
+        if job.source not in distributed.SCHEDULED:  # a job's script holds its environment
+            start = " ".join([*_environment(job), start])
         return cls([shlex.quote(o) for o in kept], shown, start)
 
     def train(self, steps: int) -> str:
