@@ -112,6 +112,8 @@ def test_two_launchers_act_as_two_nodes(tmp_path, reference):
     outputs = [node.communicate(timeout=600)[0] for node in nodes]
     assert [n.returncode for n in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
     np.testing.assert_allclose(losses(only_run_dir(tmp_path)), reference[(4, 1)], rtol=1e-5)
+    # Every node's launcher closes with a line, the second node's too.
+    assert "launcher: ranks 1-1 ended normally; run dir " in outputs[1]
     # Going on needs the same environment: node 0's line carries it (RANK: its first rank).
     assert (f"continue: XLA_FLAGS=--xla_force_host_platform_device_count=2 "
             f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port} RANK=0 WORLD_SIZE=2 python -m "

@@ -227,7 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     supervisor = Supervisor(start(args.script, args.overrides, run_dir, job), job.first_rank)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, supervisor.forward)
-    return supervisor.wait()
+    code = supervisor.wait()
+    # Every node's closing line (the run's own closing lines come from process 0 alone).
+    log.info("launcher: ranks %d-%d ended%s; run dir %s", job.first_rank,
+             job.first_rank + job.nprocs - 1, " normally" if code == 0 else
+             f" with exit code {code}", run_dir)
+    return code
 
 
 if __name__ == "__main__":
