@@ -173,3 +173,26 @@ def test_a_bad_value_is_one_sentence_on_stderr_before_any_work(override, bad_val
     assert "error" not in run["stdout"]  # stdout may go to a file; the sentence must not hide there
     # Nothing ran before the check: not a line on the console, and no run dir left behind.
     assert run["stdout"].strip() == "" and not run["run_dir_left"]
+
+
+def test_the_progress_bar_starts_after_compiling_and_moves_every_step(tmp_path, capsys):
+    """The bar appears at the first step the loop runs (its rate and ETA then exclude the
+    compile), moves at every step, and shows the logged values at logged steps."""
+    import time
+
+    from tunix_train.config import LoggingConfig
+    from tunix_train.training.metrics import MetricsWriter
+
+    writer = MetricsWriter(tmp_path, LoggingConfig(progress="always"), total_steps=4)
+    assert writer._bar is None  # nothing drawn at start-up, while compiling
+    frames = []
+    for step in (1, 2, 3, 4):
+        time.sleep(0.15)  # a step's time: tqdm redraws at most every 0.1 s
+        writer.tick(step)
+        if step == 2:
+            writer.progress(step, {"loss": 1.5, "tokens_per_s": 1000.0})
+        frames.append(capsys.readouterr().out.replace("\r", "\n"))
+    writer.close()
+    for step, frame in enumerate(frames, 1):
+        assert f"{step}/4" in frame
+    assert "loss=1.5000" in frames[1]

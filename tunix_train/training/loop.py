@@ -87,6 +87,7 @@ class Loop:
         if previous is not None:
             jax.block_until_ready(previous)  # step-1 is done; step is queued behind it
         watchdog.beat(step)
+        self.writer.tick(step)
         self.hooks.after_step(step)
         self._unchecked.append((step, metrics))
         self.summary["final_step"] = step

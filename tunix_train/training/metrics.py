@@ -62,16 +62,13 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, cfg: LoggingConfig, total_steps: int, first_step: int = 0):
         self.enabled = jax.process_index() == 0
         self._tb = self._jsonl = self._bar = None
+        self._show = False
         if not self.enabled:
             return
         self._tb = _summary_writer()(str(run_dir / "tensorboard"))
         self._jsonl = (run_dir / "metrics.jsonl").open("a")
-        show = cfg.progress == "always" or (cfg.progress == "auto" and sys.stdout.isatty())
-        if show:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total_steps, initial=first_step, unit="step",
-                             dynamic_ncols=True, file=sys.stdout)
+        self._show = cfg.progress == "always" or (cfg.progress == "auto" and sys.stdout.isatty())
+        self._total = total_steps
 
     def text(self, tag: str, text: str) -> None:
         if self._tb is not None:
@@ -89,16 +86,29 @@ class MetricsWriter:
         self._jsonl.flush()
         self._tb.flush()
 
+    def tick(self, step: int) -> None:
+        """The progress bar at `step`, every step. It starts at the first step the loop runs,
+        after compiling, so its rate and ETA are those of training, and on a line of its own."""
+        if not self._show:
+            return
+        if self._bar is None:
+            from tqdm import tqdm
+
+            sys.stdout.flush()
+            self._bar = tqdm(total=self._total, initial=step, unit="step",
+                             dynamic_ncols=True, file=sys.stdout)
+        self._bar.update(step - self._bar.n)
+
     def progress(self, step: int, values: dict[str, float]) -> None:
+        """The logged values beside the bar, at each logged step."""
         if self._bar is not None:
-            self._bar.n = step
             self._bar.set_postfix(loss=f"{values['loss']:.4f}",
                                   tok_s=f"{values['tokens_per_s']:,.0f}", refresh=True)
 
     @contextlib.contextmanager
     def console(self) -> Iterator[None]:
         """Routes console log lines through the progress bar so they do not tear it."""
-        if self._bar is None:
+        if not self._show:
             yield
             return
         from tqdm.contrib.logging import logging_redirect_tqdm
