@@ -305,6 +305,17 @@ def test_bad_input_is_one_sentence_naming_the_key(corpus, tmp_path):
         assert "data." in text or "model." in text, case
 
 
+def test_a_broken_json_line_among_the_first_is_refused_before_anything_runs(corpus, tmp_path):
+    """validation.validate (run before devices, data loading or compiling) reads the first
+    lines of each JSON lines file: a broken one is named with its line number."""
+    good = (corpus / "docs.jsonl").read_text().splitlines()[:2]
+    (tmp_path / "broken.jsonl").write_text("\n".join([*good, '{"text": "unfinished']) + "\n")
+    with pytest.raises(ConfigError, match=rf"data.path: line 3 of {tmp_path}/broken.jsonl is not "
+                                          r"JSON \(.*\); each line must be one JSON object"):
+        validation.validate(_cfg("data=jsonl", f"data.path={tmp_path}/broken.jsonl"))
+    validation.validate(_cfg("data=jsonl", f"data.path={corpus}/docs.jsonl"))  # a whole file
+
+
 # ---------------------------------------------------------------------------------------------
 # As users run it.
 

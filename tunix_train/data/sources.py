@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import itertools
 import json
 import os
 import zlib
@@ -78,6 +79,33 @@ def _records(files: list[Path], eval_files: list[Path] | None, data: DataConfig)
     if eval_files:
         return Corpus(whole, open_(eval_files), kind)
     return Corpus(*_subsets(whole, whole.held_out(data.validation_fraction), data), kind)
+
+
+JSON_LINES = (".jsonl", ".json")
+FIRST_RECORDS = 32  # lines of each JSON lines file read before anything compiles
+
+
+def check_first_records(data: DataConfig) -> None:
+    """The first lines of every JSON lines file the data keys name parse as JSON: a broken file
+    is one sentence before compiling, not an error after it (a broken line further in is found
+    when it is read)."""
+    if data.name not in ("jsonl", "prompts", "preferences"):
+        return
+    for key, pattern in (("data.path", data.path), ("data.eval_path", data.eval_path)):
+        if not pattern:
+            continue
+        for file in resolve(pattern, data.name, key):
+            if file.suffix not in JSON_LINES:
+                continue
+            with open(file, encoding="utf-8", errors="replace") as lines:
+                for number, line in enumerate(itertools.islice(lines, FIRST_RECORDS), 1):
+                    try:
+                        if line.strip():
+                            json.loads(line)
+                    except ValueError as error:
+                        raise ConfigError(
+                            f"{key}: line {number} of {file} is not JSON ({error}); each line "
+                            f"must be one JSON object: fix or remove that line.") from None
 
 
 def resolve(pattern: str | None, source: str, key: str) -> list[Path]:
