@@ -14,7 +14,7 @@ from flax import nnx
 from helpers import REPO, TINY, compose_config, mesh_arg, run_cli
 from tunix_train import validation
 from tunix_train.config import ConfigError
-from tunix_train.data import demo
+from tunix_train.data import demo, sources
 from tunix_train.models import families
 from tunix_train.training.setup import Setup
 from tunix_train.training.train_step import jit_eval_step
@@ -306,14 +306,15 @@ def test_bad_input_is_one_sentence_naming_the_key(corpus, tmp_path):
 
 
 def test_a_broken_json_line_among_the_first_is_refused_before_anything_runs(corpus, tmp_path):
-    """validation.validate (run before devices, data loading or compiling) reads the first
-    lines of each JSON lines file: a broken one is named with its line number."""
+    """run_training.py reads the first lines of each JSON lines file right after validating
+    the config (before devices, data loading or compiling): a broken one is named with its line
+    number."""
     good = (corpus / "docs.jsonl").read_text().splitlines()[:2]
     (tmp_path / "broken.jsonl").write_text("\n".join([*good, '{"text": "unfinished']) + "\n")
     with pytest.raises(ConfigError, match=rf"data.path: line 3 of {tmp_path}/broken.jsonl is not "
                                           r"JSON \(.*\); each line must be one JSON object"):
-        validation.validate(_cfg("data=jsonl", f"data.path={tmp_path}/broken.jsonl"))
-    validation.validate(_cfg("data=jsonl", f"data.path={corpus}/docs.jsonl"))  # a whole file
+        sources.check_first_records(_cfg("data=jsonl", f"data.path={tmp_path}/broken.jsonl").data)
+    sources.check_first_records(_cfg("data=jsonl", f"data.path={corpus}/docs.jsonl").data)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from tunix_train import paths
 from tunix_train import validation
 from tunix_train.checkpoint import StorageError
 from tunix_train.config import Config, ConfigError
+from tunix_train.data import sources
 from tunix_train.parallel import torchrun
 from tunix_train.parallel.rendezvous import PeersError
 
@@ -219,6 +220,7 @@ def run_training(cfg: DictConfig, run_dir: str, hooks=None) -> None:
     with user_errors(), refused_leaves_no_run_dir(Path(run_dir), Path(hydra.runtime.cwd)):
         config = typed(cfg, hydra.overrides.task, Path(hydra.runtime.cwd))
         validation.validate(config)
+        sources.check_first_records(config.data)  # reads the data files' first lines
         nexts = NextCommands.of(hydra.overrides.task, Path(run_dir), Path(hydra.runtime.cwd))
         summary = run_lib.run(config, Path(run_dir), task_of(config.trainer.name),
                               hooks or run_lib.StepHooks())
