@@ -91,19 +91,8 @@ def before_hydra(argv: list[str]) -> None:
         if run_dir:
             argv.append(f"hydra.run.dir={run_dir}")
         given = [o.split("=", 1)[1] for o in chosen if o.startswith("hydra.run.dir=")]
-        if given and not args.multirun:
-            creatable(given[-1])
-
-
-def creatable(run_dir: str) -> None:
-    """hydra.run.dir as given can be made (else Hydra fails with a traceback, exit 1): it is
-    made here, before anything else runs."""
-    try:
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        where = f" at {error.filename}" if error.filename else ""
-        raise ConfigError(f"hydra.run.dir={run_dir} cannot be created ({os.strerror(error.errno)}"
-                          f"{where}); give a directory you can write to.") from None
+        if given and not args.multirun:  # else Hydra fails to make it with a traceback, exit 1
+            paths.make_dir("hydra.run.dir", given[-1])
 
 
 def agreed_run_dir(overrides: Sequence[str]) -> str | None:

@@ -17,7 +17,6 @@ came from `model.init_from=hf:<dir>`.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from tunix_train import cli
+from tunix_train import cli, paths
 from tunix_train.inference import weights
 from tunix_train.config import Config, ConfigError
 from tunix_train.data import tokenizer as tokenizer_lib
@@ -57,13 +56,7 @@ def export(cfg: Config, explicit: Iterable[str] = (), tokenizer_chosen: bool = F
         raise ConfigError(f"export.lora=adapter writes a LoRA run's adapters, but "
                           f"{cfg.checkpoint.resume_from or cfg.model.init_from} has none "
                           f"(lora.rank=0); drop export.lora to export the whole model.")
-    out = Path(cfg.export.path).expanduser()
-    try:  # before the weights are loaded: a folder that cannot be made is one sentence
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise ConfigError(f"export.path={cfg.export.path} cannot be created "
-                          f"({os.strerror(error.errno)} at {error.filename}); give a folder you "
-                          f"can write to.") from None
+    out = paths.make_dir("export.path", cfg.export.path, "folder")  # before the weights load
     cfg, layout, params = weights.for_inference(cfg, explicit)
     origin = weights.hf_origin(cfg.model)
     if layout.frozen is not None and cfg.export.lora == "adapter":

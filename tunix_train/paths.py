@@ -57,3 +57,16 @@ def _tokenizer(source: str, base: Path) -> str:
         if source.startswith(kind) and len(source) > len(kind):
             return kind + absolute(source[len(kind):], base)
     return source
+
+
+def make_dir(key: str, value: str, what: str = "directory") -> Path:
+    """The folder a key names, made (with its parents) now, or a ConfigError naming the key,
+    the value and why it cannot be made (a path through a file, /proc, no permission)."""
+    path = Path(value).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        where = f" at {error.filename}" if error.filename else ""
+        raise ConfigError(f"{key}={value} cannot be created ({os.strerror(error.errno)}{where}); "
+                          f"give a {what} you can write to.") from None
+    return path

@@ -181,8 +181,9 @@ def _validate_context(cfg: Config) -> None:
     cp = _mesh_size(cfg, "cp")
     if cp > 1 and cfg.data.seq_len % (2 * cp):
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} does not split into {2 * cp} "
-                          f"(2 × cp={cp}) equal chunks (model.mesh_shape: each cp device holds an early and a "
-                          f"late one); choose a data.seq_len divisible by {2 * cp}.")
+                          f"(2 × cp={cp}) equal chunks (model.mesh_shape: each cp device holds "
+                          f"an early and a late one); choose a data.seq_len divisible by "
+                          f"{2 * cp}.")
 
 
 def _validate_grpo(cfg: Config) -> None:

@@ -206,8 +206,9 @@ def check_coordinator_port(job: Job) -> None:
         with socket.create_server(("", port)):
             pass
     except OSError as error:
+        cause = os.strerror(error.errno) if error.errno else str(error)
         raise ConfigError(f"process 0 cannot start JAX's coordinator on port {port} of this "
-                          f"machine ({os.strerror(error.errno) if error.errno else error}; the job's coordinator address is "
+                          f"machine ({cause}; the job's coordinator address is "
                           f"{job.coordinator}): {fix}.") from None
 
 
