@@ -83,20 +83,20 @@ def _records(files: list[Path], eval_files: list[Path] | None, data: DataConfig)
 
 JSON_LINES = (".jsonl", ".json")
 FIRST_RECORDS = 32  # lines of each JSON lines file read before anything compiles
+FIRST_FILES = 8  # files of each key checked so (a folder of thousands of shards: its first 8)
 
 
 def check_first_records(data: DataConfig) -> None:
-    """The first lines of every JSON lines file the data keys name parse as JSON: a broken file
-    is one sentence before compiling, not an error after it (a broken line further in is found
-    when it is read)."""
+    """The first lines of the (first few) JSON lines files the data keys name parse as JSON: a
+    broken file is one sentence before compiling, not an error after it (a broken line further
+    in, or in a later shard, is found when it is read)."""
     if data.name not in ("jsonl", "prompts", "preferences"):
         return
     for key, pattern in (("data.path", data.path), ("data.eval_path", data.eval_path)):
         if not pattern:
             continue
-        for file in resolve(pattern, data.name, key):
-            if file.suffix not in JSON_LINES:
-                continue
+        json_files = [f for f in resolve(pattern, data.name, key) if f.suffix in JSON_LINES]
+        for file in json_files[:FIRST_FILES]:
             with open(file, encoding="utf-8", errors="replace") as lines:
                 for number, line in enumerate(itertools.islice(lines, FIRST_RECORDS), 1):
                     try:
