@@ -48,7 +48,7 @@ def test_data_page_commands_as_typed(typed, command):
 
 def test_monitoring_page_run_and_script_as_typed(typed):
     """The page's run (its steps, shortened by CPU scale only), then its Python snippet."""
-    [command] = page_commands("docs/monitoring.md", "run_training.py")
+    [command] = page_commands("docs/monitoring.md", "hydra.run.dir=outputs/watch")
     output = ok(typed.run(command, *CPU_SCALE, *SMALL_BATCH))
     assert "no collectives" in output
     [script] = python_blocks("docs/monitoring.md")

@@ -144,10 +144,32 @@ class CheckpointConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases beside TensorBoard (training/trackers.py; the `[wandb]` extra)."""
+    enabled: bool = False
+    project: str = "tunix_train"
+    entity: Optional[str] = None  # team or user; None = the logged-in user's default
+    mode: str = "online"  # online | offline (files in <run dir>/wandb, `wandb sync` them later)
+    tags: List[str] = field(default_factory=list)
+    name: Optional[str] = None  # None = the run dir (a sweep point: its overrides)
+
+
+@dataclass
+class MlflowConfig:
+    """MLflow beside TensorBoard (training/trackers.py; the `[mlflow]` extra)."""
+    enabled: bool = False
+    tracking_uri: Optional[str] = None  # http://host:5000, a path; None = MLFLOW_TRACKING_URI
+    experiment: str = "tunix_train"
+    run_name: Optional[str] = None  # None = the run dir (a sweep point: its overrides)
+
+
+@dataclass
 class LoggingConfig:
     every_steps: int = 10
     progress: str = "auto"  # auto (when stdout is a terminal) | always | never
     peak_tflops: Optional[float] = None  # per device, for MFU; None = look up the device kind
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 
 
 @dataclass

@@ -6,11 +6,12 @@ must agree. Checks that need the mesh live in parallel/mesh.py and parallel/shar
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 
 from tunix_train.config import (LORA_TARGETS, CheckpointConfig, Config, ConfigError, DataConfig,
-                                LoraConfig)
+                                LoggingConfig, LoraConfig)
 
 @dataclass(frozen=True)
 class _Range:
@@ -144,6 +145,20 @@ def validate(cfg: Config) -> None:
     _validate_context(cfg)
     _validate_trainer(cfg)
     _validate_lora(cfg.lora)
+    _validate_trackers(cfg.logging)
+
+
+def _validate_trackers(logging_cfg: LoggingConfig) -> None:
+    """A tracker that is on needs its package: said before anything compiles (a tracker that
+    fails later only warns, training/trackers.py)."""
+    if logging_cfg.wandb.mode not in ("online", "offline"):
+        raise ConfigError(f"logging.wandb.mode={logging_cfg.wandb.mode!r} is not one of online, "
+                          f"offline.")
+    for key in ("wandb", "mlflow"):
+        if getattr(logging_cfg, key).enabled and importlib.util.find_spec(key) is None:
+            raise ConfigError(f"logging.{key}.enabled=true needs the {key} package, which is not "
+                              f"installed: pip install -c constraints.txt -e '.[{key}]', or set "
+                              f"logging.{key}.enabled=false.")
 
 
 _TRAINER_DATA = {"grpo": "prompts", "dpo": "preferences"}  # a trainer's own data group

@@ -1,4 +1,5 @@
-"""Where numbers go: TensorBoard (tensorboardX), metrics.jsonl, train.log and a progress bar.
+"""Where numbers go: TensorBoard (tensorboardX), metrics.jsonl, train.log, a progress bar and
+the experiment trackers a run turns on (trackers.py: W&B, MLflow).
 
 Only process 0 writes files; every process logs (other ranks only warnings and errors, see
 `setup_process_logging`).
@@ -20,6 +21,7 @@ import jax
 from tunix_train.analysis.costs import StepCosts
 from tunix_train.config import LoggingConfig
 from tunix_train.parallel.launcher import LAUNCHER_ENV
+from tunix_train.training.trackers import Trackers
 
 log = logging.getLogger("tunix_train")
 
@@ -57,11 +59,18 @@ def _summary_writer() -> type:
 
 
 class MetricsWriter:
-    """Scalars to TensorBoard and metrics.jsonl; text (config, mesh, reports) to TensorBoard."""
+    """Scalars to TensorBoard, metrics.jsonl and `trackers`; text (config, mesh, reports) to
+    TensorBoard, start-up facts to the trackers too."""
 
-    def __init__(self, run_dir: Path, cfg: LoggingConfig, total_steps: int, first_step: int = 0):
+    # Text for the trackers besides TensorBoard: the start-up facts (the config goes to them as
+    # params, GRPO's samples stay in TensorBoard).
+    TRACKED_TEXT = ("mesh", "memory", "communication")
+
+    def __init__(self, run_dir: Path, cfg: LoggingConfig, total_steps: int, first_step: int = 0,
+                 trackers: Trackers | None = None):
         self.enabled = jax.process_index() == 0
         self._tb = self._jsonl = self._bar = None
+        self._trackers = trackers or Trackers()
         self._show = False
         if not self.enabled:
             return
@@ -74,6 +83,8 @@ class MetricsWriter:
         if self._tb is not None:
             # TensorBoard renders text as Markdown; indenting keeps tables and JSON monospaced.
             self._tb.add_text(tag, "    " + text.replace("\n", "\n    "), 0)
+        if tag in self.TRACKED_TEXT:
+            self._trackers.text(tag, text)
 
     def scalars(self, step: int, values: dict[str, float], group: str = "train") -> None:
         if not self.enabled:
@@ -85,6 +96,11 @@ class MetricsWriter:
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         self._tb.flush()
+        self._trackers.scalars(step, {f"{group}/{name}": v for name, v in values.items()})
+
+    def summary(self, values: dict[str, float]) -> None:
+        """The run's outcome (final validation metrics) for the trackers' run summaries."""
+        self._trackers.summary(values)
 
     def tick(self, step: int) -> None:
         """The progress bar at `step`, every step. It starts at the first step the loop runs,
@@ -116,7 +132,9 @@ class MetricsWriter:
         with logging_redirect_tqdm():
             yield
 
-    def close(self) -> None:
+    def close(self, status: str = "finished") -> None:
+        """`status`: finished, preempted or failed (the trackers' run status)."""
+        self._trackers.close(status)
         for closable in (self._bar, self._tb, self._jsonl):
             if closable is not None:
                 closable.close()

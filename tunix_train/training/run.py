@@ -26,6 +26,7 @@ from tunix_train.training.loop import Loop, StepHooks
 from tunix_train.training.metrics import (MetricsWriter, Throughput, report_costs,
                                           setup_process_logging)
 from tunix_train.training.setup import Setup
+from tunix_train.training.trackers import Trackers
 from tunix_train.training.train_step import LossFn, loss_sums
 
 log = logging.getLogger("tunix_train")
@@ -82,12 +83,14 @@ def run(cfg: Config, run_dir: Path, task: type[Task] = Task,
     setup = Setup.create(cfg, processes_per_node=job.local_world_size)
     work = task(setup)
     writer = checkpoints = None
+    status = "failed"
     try:
         state = setup.initial_state(run_dir, work.inputs)
         first_step = work.steps_done(state)
         if first_step >= cfg.training.steps:
             return already_complete(first_step)
-        writer = MetricsWriter(run_dir, cfg.logging, cfg.training.steps, first_step)
+        trackers = Trackers.open(cfg, run_dir) if jax.process_index() == 0 else None
+        writer = MetricsWriter(run_dir, cfg.logging, cfg.training.steps, first_step, trackers)
         log_startup(setup, state, writer)
         work.start(state, writer, first_step)
         step = work.step(_compiled_train_step(setup, work, writer, run_dir))
@@ -105,12 +108,13 @@ def run(cfg: Config, run_dir: Path, task: type[Task] = Task,
                 if not summary["preempted"] and evaluate is not None:  # the grace period
                     _final_evaluation(state, summary, evaluate, writer)  # is for saving
                 checkpoints.close()
+            status = "preempted" if summary["preempted"] else "finished"
     finally:
         if checkpoints is not None:
             checkpoints.close()  # waits until the last save has committed
         work.close()
         if writer is not None:
-            writer.close()
+            writer.close(status)
     return summary
 
 
@@ -173,6 +177,7 @@ def _final_evaluation(state, summary: dict, evaluate, writer: MetricsWriter) -> 
     summary["eval_loss"] = values["loss"]
     summary["eval"] = values
     writer.scalars(summary["final_step"], values, group="eval")
+    writer.summary({f"final/eval_{name}": value for name, value in values.items()})
     log.info("final validation loss %.4f%s (step %d)", values["loss"], others(values),
              summary["final_step"])
 
@@ -212,7 +217,8 @@ def log_startup(setup: Setup, state, writer: MetricsWriter) -> None:
     if jax.default_backend() == "cpu" and mesh_lib.nvidia_gpus_present():
         log.warning("this machine has NVIDIA GPUs but JAX runs on the CPU: install JAX's CUDA "
                     "wheels with pip install -c constraints.txt -e '.[cuda]' (README)")
-    log.info("parameters: %s (%.1f MB fp32); per device %.1f MB", f"{count:,}", total / 1e6,
-             per_device / 1e6)
+    lines.append(f"parameters: {count:,} ({total / 1e6:.1f} MB fp32); per device "
+                 f"{per_device / 1e6:.1f} MB")
+    log.info(lines[-1])
     writer.text("mesh", "\n".join(lines))
     writer.text("config", OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # text, not parsing
