@@ -287,6 +287,18 @@ def test_an_unreachable_server_at_start_is_one_warning_and_no_tracker(tmp_path, 
     assert json.loads((tmp_path / IDS_FILE).read_text()) == {}
 
 
+def test_wandb_without_credentials_is_one_warning_and_no_tracker(tmp_path, caplog, monkeypatch):
+    for variable in ("HOME", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(variable, str(tmp_path / "home"))  # no ~/.netrc, no settings
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    cfg = compose_config("logging.wandb.enabled=true")  # online, W&B's default
+    with caplog.at_level(logging.WARNING, logger="tunix_train"):
+        trackers = Trackers.open(cfg, tmp_path)
+        trackers.scalars(1, {"train/loss": 1.0})
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "tunix_train"]
+    assert warning.startswith("W&B could not start (UsageError: ") and "wandb login" in warning
+
+
 @pytest.mark.parametrize("key", ["wandb", "mlflow"])
 def test_a_tracker_without_its_package_is_refused_before_anything_runs(key, monkeypatch):
     monkeypatch.setitem(sys.modules, key, None)  # importlib finds no such package

@@ -127,8 +127,15 @@ class Typed:
 def ok(result: subprocess.CompletedProcess) -> str:
     """The output of a command that must have succeeded (else the assertion shows its end)."""
     output = result.stdout + result.stderr
-    assert result.returncode == 0, f"exit {result.returncode}:\n{output[-4000:]}"
+    assert result.returncode == 0, f"exit {result.returncode}:\n{readable(output)[-8000:]}"
     return output
+
+
+def readable(output: str) -> str:
+    """A failed command's output without native stack frames (`    @     0x7f…  Flush()`, from
+    an aborting C++ library in each process), which would fill the part a failure shows."""
+    return "\n".join(line for line in output.splitlines()
+                     if not re.match(r"\s*@\s+0x[0-9a-f]+\s", line))
 
 
 def last_printed(result: subprocess.CompletedProcess) -> str:

@@ -215,6 +215,9 @@ def run_training(cfg: DictConfig, run_dir: str, hooks=None) -> None:
                               hooks or run_lib.StepHooks())
     nexts.report(summary["final_step"], config.training.steps, preempted=summary["preempted"],
                  complete=summary.get("complete", False))
+    from tunix_train.parallel import distributed
+
+    distributed.leave()
 
 
 def task_of(trainer: str):

@@ -21,6 +21,7 @@ sentence (parallel/waiting.py), even though JAX's client blocks inside C++ meanw
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -255,6 +256,23 @@ def _machine_gpus() -> int:
     """NVIDIA GPUs the driver lists (no CUDA call: JAX's backend must start after initialize)."""
     listed = Path("/proc/driver/nvidia/gpus")
     return len(list(listed.iterdir())) if listed.is_dir() else 0
+
+
+EXIT_GRACE_S = 120  # after leaving the job, the longest a process may take to exit
+
+
+def leave() -> None:
+    """A process of a multi-process job leaves it here rather than in JAX's exit hook, where
+    the wait was silent: JAX's shutdown barrier waits for every process (and after its 300 s
+    aborts them all), said every 30 s. Past the barrier, a process that has not exited within
+    EXIT_GRACE_S (a thread that never ends) prints every thread's stack and exits 1: a job
+    does not hang on its way out."""
+    if jax.process_count() == 1:
+        return
+    with Waiting("the other processes to finish and leave the job", None, PEERS_EXIT_CODE,
+                 every_s=30, first_s=30):
+        jax.distributed.shutdown()
+    faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True)
 
 
 def check_same_run_dir(run_dir: Path) -> None:
