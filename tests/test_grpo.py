@@ -315,6 +315,12 @@ def test_the_laptop_example_learns_and_beats_a_control_run_with_lr_0(laptop):
     first, last = trained[:window].mean(), trained[-window:].mean()
     assert last > first + 0.1, (first, last)
     assert last > control.mean() + 0.07, (last, control.mean())
+    # Every step logged: each one's time covers its own rollouts and updates (the last one's
+    # too, which is reported right after the one before it).
+    times = {key: metrics(typed.root / "outputs/sums-grpo", key)
+             for key in ("step_time_s", "rollout_s", "update_s")}
+    assert all(times["step_time_s"][s] >= times["rollout_s"][s] + times["update_s"][s]
+               for s in times["step_time_s"]), times
 
 
 FAULTY = "tests/faulty_training.py"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -64,6 +65,7 @@ class Loop:
     saved_config: dict  # the run's resolved config, saved with every checkpoint
     summary: dict = field(default_factory=dict)
     _unchecked: list = field(default_factory=list)  # [(step, device metrics)] not yet fetched
+    _done_at: dict = field(default_factory=dict)  # step → when the host first saw it finished
     _skipped: int = 0  # skipped updates counted so far (optimizer state survives resumes)
 
     def run(self, state, first: int) -> tuple[Any, dict]:
@@ -82,10 +84,14 @@ class Loop:
         return state, self.summary
 
     def _step(self, state, step: int, watchdog: Watchdog):
-        previous = self._unchecked[-1][1]["loss"] if self._unchecked else None
+        previous = self._unchecked[-1] if self._unchecked else None
+        if previous is not None and not (isinstance(loss := previous[1]["loss"], jax.Array)
+                                         and not loss.is_ready()):
+            self._finished(previous[0])  # a step that runs to its end on the host (GRPO's)
         state, metrics = self.train_step(state, self.hooks.batch(step, next(self.data)))
         if previous is not None:
-            jax.block_until_ready(previous)  # step-1 is done; step is queued behind it
+            jax.block_until_ready(previous[1]["loss"])  # step-1 is done; step is queued behind
+            self._finished(previous[0])
         watchdog.beat(step)
         self.writer.tick(step)
         self.hooks.after_step(step)
@@ -121,6 +127,7 @@ class Loop:
         ready = [(s, m) for s, m in self._unchecked if s <= up_to]
         self._unchecked = [(s, m) for s, m in self._unchecked if s > up_to]
         for step, metrics in zip([s for s, _ in ready], jax.device_get([m for _, m in ready])):
+            self._finished(step)  # the last step: its fetch waited for it
             values = {k: float(v) for k, v in metrics.items() if k != "tokens"}
             values["skipped_steps"] = int(values["skipped_steps"])
             self._check_finite(step, values)
@@ -142,8 +149,15 @@ class Loop:
         log.warning("step %d: non-finite loss or gradients, update skipped (%d skipped so far)",
                     step, skipped)
 
+    def _finished(self, step: int) -> None:
+        self._done_at.setdefault(step, time.perf_counter())
+
     def _report(self, step: int, values: dict[str, float]) -> None:
-        values.update(self.throughput.interval(step))
+        # Rates up to when the step finished, not to when it is reported: the last step is
+        # reported right after the one before it, and a synchronous step (GRPO's) after the
+        # next one has run.
+        values.update(self.throughput.interval(step, self._done_at[step]))
+        self._done_at = {s: t for s, t in self._done_at.items() if s > step}
         values.update(profiling.memory_scalars())  # peak device memory, where the backend counts
         self.summary.setdefault("first_loss", values["loss"])
         self.summary["last_loss"] = values["loss"]

@@ -150,8 +150,9 @@ class Throughput:
         self._step, self._time = step, time.perf_counter()
         self._tokens_per_step, self._mfu_factor = tokens_per_step, mfu_factor
 
-    def interval(self, step: int) -> dict[str, float]:
-        now = time.perf_counter()
+    def interval(self, step: int, now: float | None = None) -> dict[str, float]:
+        """The rates of the steps since the last interval, up to `now` (when `step` finished)."""
+        now = time.perf_counter() if now is None else now
         steps = max(step - self._step, 1)
         seconds = now - self._time
         self._step, self._time = step, now
