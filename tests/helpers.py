@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -12,6 +15,7 @@ import numpy as np
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import faults as faults_lib
 from compile_flags import with_fast_compile
 from typed_docs import SCHEDULER_VARIABLES
 from tunix_train import checkpoint
@@ -102,6 +106,26 @@ def start_cli(args: list[str], cwd: Path, env_extra: dict | None = None,
         [sys.executable, str(REPO / script), *args], cwd=cwd, env=cli_env(env_extra),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
     )
+
+
+def sigterm_when_paused(args: list[str], cwd: Path, at_step: int, env_extra: dict | None = None,
+                        timeout: int = 300) -> str:
+    """tests/faulty_training.py paused after step `at_step` (tests/faults.py), then SIGTERMed
+    and released: it must stop after exactly that step, saved, and exit 0 (events, not timing,
+    decide where the signal lands). Returns its output."""
+    go = cwd / f"go-{time.monotonic_ns()}"  # a file of its own: an old one would not pause it
+    faults = json.dumps({"pause_at_step": at_step, "resume_file": str(go)})
+    process = start_cli(args, cwd, {**(env_extra or {}), faults_lib.ENV: faults},
+                        script="tests/faulty_training.py")
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if f"paused after step {at_step} " in line:
+            process.send_signal(signal.SIGTERM)
+            go.touch()
+    output = "".join(lines)
+    assert process.wait(timeout=timeout) == 0, output[-4000:]
+    return output
 
 
 def compiled_run(cfg: Config, steps: int, devices=None):

@@ -5,7 +5,6 @@ import functools
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 
 from helpers import (REPO, ONE_STACK, cli_env, compose_config, family_tiny, run_cli,
-                     start_cli)
+                     sigterm_when_paused)
 from tunix_train.data import demo
 from tunix_train.data import tokenizer as tokenizer_lib
 from tunix_train.grpo import objective as objective_lib
@@ -323,10 +322,6 @@ def test_the_laptop_example_learns_and_beats_a_control_run_with_lr_0(laptop):
                for s in times["step_time_s"]), times
 
 
-FAULTY = "tests/faulty_training.py"
-FAULTS = "TUNIX_TRAIN_TEST_FAULTS"
-
-
 def test_sigterm_then_restart_gives_the_uninterrupted_runs_losses(laptop, tmp_path):
     typed, grpo_command = laptop
     steps = ["training.steps=5", "grpo.num_iterations=2", "training.gradient_accumulation_steps=2",
@@ -335,16 +330,8 @@ def test_sigterm_then_restart_gives_the_uninterrupted_runs_losses(laptop, tmp_pa
     args = lambda run_dir: grpo_words(grpo_command, *steps, f"hydra.run.dir={run_dir}")  # noqa: E731
     result = run_cli(args(reference), cwd=typed.root)
     assert result.returncode == 0, result.stderr[-3000:]
-    run_dir, go = tmp_path / "run", tmp_path / "go"
-    pause = {FAULTS: json.dumps({"pause_at_step": 2, "resume_file": str(go)})}
-    process = start_cli(args(run_dir), typed.root, pause, script=FAULTY)
-    lines = []
-    for line in process.stdout:
-        lines.append(line)
-        if "paused after step 2 " in line:
-            process.send_signal(signal.SIGTERM)
-            go.touch()
-    assert process.wait(timeout=300) == 0, "".join(lines)[-3000:]
+    run_dir = tmp_path / "run"
+    sigterm_when_paused(args(run_dir), typed.root, 2)
     assert max(metrics(run_dir, "loss")) == 2
     result = run_cli(args(run_dir), cwd=typed.root)
     assert result.returncode == 0 and "resuming from step 2" in result.stdout + result.stderr

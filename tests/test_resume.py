@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from faults import ENV as FAULTS
-from helpers import REPO, TINY, cli_env, mesh_arg, run_cli, start_cli
+from helpers import REPO, TINY, cli_env, mesh_arg, run_cli, sigterm_when_paused
 
 pytestmark = pytest.mark.slow
 STEPS = 10
@@ -50,21 +50,9 @@ def train(run_dir: Path, *overrides: str, env: dict | None = None, expect: int =
 
 
 def preempt(run_dir: Path, at_step: int, *overrides: str, env: dict | None = None) -> str:
-    """A run paused after step `at_step` gets SIGTERM, then goes on: it must stop after exactly
-    that step, saved, and exit 0 (events, not timing, decide where the signal lands)."""
-    go = run_dir.parent / f"go-{run_dir.name}"
-    pause = {**(env or {}), FAULTS: json.dumps({"pause_at_step": at_step, "resume_file": str(go)})}
-    process = start_cli([*BASE, *overrides, f"hydra.run.dir={run_dir}"], run_dir.parent, pause,
-                        script=FAULTY)
-    lines = []
-    for line in process.stdout:
-        lines.append(line)
-        if f"paused after step {at_step} " in line:
-            process.send_signal(signal.SIGTERM)
-            go.touch()
-    output = "".join(lines)
-    assert process.wait(timeout=120) == 0, output[-4000:]
-    return output
+    """A run paused after step `at_step` gets SIGTERM, then goes on: helpers.sigterm_when_paused."""
+    return sigterm_when_paused([*BASE, *overrides, f"hydra.run.dir={run_dir}"], run_dir.parent,
+                               at_step, env, timeout=120)
 
 
 def losses(run_dir: Path) -> dict[int, float]:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from helpers import ONE_STACK, compose_config, run_cli, start_cli
+from helpers import ONE_STACK, compose_config, run_cli, sigterm_when_paused, start_cli
 from typed_docs import CPU_SCALE, Typed, ok, page_commands
 from tunix_train.config import ConfigError
 from tunix_train import validation
@@ -108,17 +108,8 @@ def jsonl_scalars(run_dir: Path) -> dict[tuple[str, int], float]:
 
 
 def sigterm_after_step_2(args: list[str], cwd: Path, env: dict | None = None) -> None:
-    """The run paused after step 2 (tests/faults.py), SIGTERMed, released: it saves and ends."""
-    go = cwd / "go"
-    process = start_cli(args, cwd, {**(env or {}), FAULTS: json.dumps(
-        {"pause_at_step": 2, "resume_file": str(go)})}, script=FAULTY)
-    lines = []
-    for line in process.stdout:
-        lines.append(line)
-        if "paused after step 2 " in line:
-            process.send_signal(signal.SIGTERM)
-            go.touch()
-    assert process.wait(timeout=300) == 0, "".join(lines)[-3000:]
+    """helpers.sigterm_when_paused after step 2; `args` ends with hydra.run.dir."""
+    sigterm_when_paused(args, cwd, 2, env)
     assert max(step for _, step in jsonl_scalars(Path(args[-1].split("=", 1)[1]))) == 2
 
 
