@@ -127,15 +127,24 @@ class Typed:
 def ok(result: subprocess.CompletedProcess) -> str:
     """The output of a command that must have succeeded (else the assertion shows its end)."""
     output = result.stdout + result.stderr
-    assert result.returncode == 0, f"exit {result.returncode}:\n{readable(output)[-8000:]}"
+    assert result.returncode == 0, f"exit {result.returncode}:\n{readable(output)}"
     return output
 
 
-def readable(output: str) -> str:
-    """A failed command's output without native stack frames (`    @     0x7f…  Flush()`, from
-    an aborting C++ library in each process), which would fill the part a failure shows."""
-    return "\n".join(line for line in output.splitlines()
-                     if not re.match(r"\s*@\s+0x[0-9a-f]+\s", line))
+def readable(output: str, tail: int = 8000) -> str:
+    """What of a failed command's output a failure shows: the Python stacks of processes that
+    died on a signal (faulthandler's dumps: where each was), then the output's end without
+    native stack frames (`    @     0x7f…  Flush()`, from an aborting C++ library in each
+    process), which would fill it."""
+    lines = [line for line in output.splitlines()
+             if not re.match(r"\s*@\s+0x[0-9a-f]+\s", line)]
+    stacks = [line for line in lines if re.match(
+        r"(Fatal Python error|Thread 0x|Current thread 0x|  File \")", line)
+        and not line.startswith("  File \"<frozen")]
+    shown = "\n".join(lines)[-tail:]
+    if any(line.startswith("Fatal Python error") for line in stacks):
+        shown = "Python stacks:\n" + "\n".join(stacks)[-12000:] + "\n...\n" + shown
+    return shown
 
 
 def last_printed(result: subprocess.CompletedProcess) -> str:

@@ -16,7 +16,9 @@ Anything else is a single-process run and initialises nothing.
 
 Joining never waits in silence: a line every 15 s says for whom; past
 `distributed.init_timeout_s`, or on SIGTERM/SIGINT, the process ends with exit code 5 and one
-sentence (parallel/waiting.py), even though JAX's client blocks inside C++ meanwhile.
+sentence (parallel/waiting.py), even though JAX's client blocks inside C++ meanwhile. Once
+joined, a process that JAX aborts (a peer gone, a missed barrier) prints every thread's Python
+stack on stderr: where it was when the job ended.
 """
 
 from __future__ import annotations
@@ -188,6 +190,9 @@ def initialize(cfg: DistributedConfig) -> Job:
                  f"process {job.process_id})", cfg.init_timeout_s, INIT_TIMEOUT_EXIT_CODE, hint,
                  keep_sigterm=True, on_signal=stopped):
         jax.distributed.initialize(**_initialize_args(cfg, job))
+    # JAX's coordination service aborts every process of a job (SIGABRT) when one of them
+    # fails or misses a barrier: each then prints where its threads were (Python's stacks).
+    faulthandler.enable(all_threads=True)
     check_homogeneous(jax.devices())
     log.info("process %d of %d (%s); %d local devices of %d: %s", jax.process_index(),
              jax.process_count(), job.describe(), jax.local_device_count(),
