@@ -2,7 +2,7 @@
 output head, laid out as the family's `StackLayout` says (models/family.py).
 
 The forward pass is a scan over the blocks, each block running its stacks' layers in order
-(a scan over a stack's rows in the block, or one call for a single row), then the trailing
+(a scan over a stack's rows in the block, one row included), then the trailing
 stacks' scans; compile time is independent of depth. Each stack's attention window and RoPE are
 static, which is what lets cuDNN's flash attention run. The blocks are also what pipeline
 stages are cut from: `blocks()` runs whichever blocks this module holds, all of them or one
@@ -259,10 +259,11 @@ class Decoder(nnx.Module):
         def block(x, block_xs):
             ys = {}
             for s in stacks:
-                if per_block[s] == 1:  # one layer: called, not scanned
+                if per_block[s] == 1 and self.cfg.unroll_layers:  # JAX would keep a 1-trip loop
                     x, y = steps[s](x, jax.tree.map(lambda a: a[0], block_xs[s]))
                     ys[s] = jax.tree.map(lambda a: a[None], y)
-                else:
+                else:  # a stack's one row scanned too: the backward pass reads its weights
+                    # again from the stack; sliced here, they would be stacked as residuals.
                     x, ys[s] = jax.lax.scan(steps[s], x, block_xs[s],
                                             unroll=self.cfg.unroll_layers)
             return x, ys
