@@ -91,16 +91,20 @@ class Setup:
                               self.batch_sharding, loss_fn)
 
     def compile_train_step(self, loss_fn: LossFn = loss_sums,
-                           extra: dict[str, jnp.dtype] | None = None) -> jax.stages.Compiled:
+                           extra: dict[str, jnp.dtype] | None = None,
+                           compiler_options: dict[str, str] | None = None
+                           ) -> jax.stages.Compiled:
         """The real train step, compiled ahead of time from shapes alone (nothing allocated).
-        `extra`: more [accum, rows, seq_len] batch entries the loss reads, by dtype. Says that
-        it compiles and how long it took: seconds to minutes of silence otherwise."""
+        `extra`: more [accum, rows, seq_len] batch entries the loss reads, by dtype;
+        `compiler_options`: XLA's, for this compile (the planner's). Says that it compiles and
+        how long it took: seconds to minutes of silence otherwise."""
         start = time.perf_counter()
         log.info("compiling the train step (%s tokens per step on %s) …",
                  f"{self.tokens_per_step:,}", " × ".join(f"{k}={v}" for k, v in
                                                         self.mesh.shape.items()))
         compiled = self.train_step(loss_fn).lower(self.state.with_shardings(),
-                                                  self.abstract_batch(extra)).compile()
+                                                  self.abstract_batch(extra)).compile(
+                                                      compiler_options)
         log.info("compiled the train step in %.1f s", time.perf_counter() - start)
         return compiled
 
