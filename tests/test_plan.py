@@ -63,6 +63,19 @@ def test_shown_planner_commands_compose():
         compose_config(*split_command(line, "tunix_train.plan")[1])
 
 
+def trace_viewer_event_names(xplane) -> set[str]:
+    """The event names of `xplane` as TensorBoard's profile plugin converts it for its trace
+    viewer (xprof, in a process of its own: it brings its own XLA libraries)."""
+    script = ("import json, sys\n"
+              "from xprof.convert import raw_to_tool_data\n"
+              "data, _ = raw_to_tool_data.xspace_to_tool_data([sys.argv[1]], 'trace_viewer', {})\n"
+              "print(json.dumps(sorted({e.get('name') or '' for e in json.loads(data)['traceEvents']})))")
+    result = subprocess.run([sys.executable, "-c", script, str(xplane)], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return set(json.loads(result.stdout.splitlines()[-1]))
+
+
 def test_profiled_run_leaves_report_trace_and_startup_lines(tmp_path):
     run_dir = tmp_path / "run"
     result = run_cli([*MODEL, "training.gradient_accumulation_steps=2",
@@ -82,6 +95,13 @@ def test_profiled_run_leaves_report_trace_and_startup_lines(tmp_path):
     # The run says where its trace is and how to open it (Perfetto needs nothing installed).
     assert f"profiler trace of steps 2-3: {trace} (open it at https://ui.perfetto.dev" in log
     assert json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    # TensorBoard's Profile tab (the [profile] extra, in the test install) reads the run's
+    # xplane: its trace viewer shows every kind of collective the report counts.
+    [xplane] = (run_dir / "tensorboard" / "plugins" / "profile").glob("*/*.xplane.pb")
+    shown = {name.replace("_", "-") for name in trace_viewer_event_names(xplane)}  # all_gather.3
+    kinds = {c["kind"] for c in report["collectives"]}
+    missing = {kind for kind in kinds if not any(name.startswith(kind) for name in shown)}
+    assert kinds and not missing, missing
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
