@@ -69,7 +69,8 @@ def trace_viewer_event_names(xplane) -> set[str]:
     script = ("import json, sys\n"
               "from xprof.convert import raw_to_tool_data\n"
               "data, _ = raw_to_tool_data.xspace_to_tool_data([sys.argv[1]], 'trace_viewer', {})\n"
-              "print(json.dumps(sorted({e.get('name') or '' for e in json.loads(data)['traceEvents']})))")
+              "events = json.loads(data)['traceEvents']\n"
+              "print(json.dumps(sorted({e.get('name') or '' for e in events})))")
     result = subprocess.run([sys.executable, "-c", script, str(xplane)], capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

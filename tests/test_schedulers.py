@@ -260,6 +260,9 @@ def test_the_pages_submitit_slurm_sweep_runs_a_two_task_job_per_point(
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     check_sweep(typed, "submitit_slurm", sweep_reference,
                 r"process 1 of 2 \(SLURM job \d+, task 1 of 2\)")
+    said = result.stdout + result.stderr
+    assert "sweep: 2 job(s) submitted to submitit's slurm executor" in said, said[-3000:]
+    assert "sweep: 2 of 2 job(s) finished" in said, said[-3000:]
 
 
 def test_the_pages_submitit_local_sweep_runs_without_slurm_and_resumes_by_sweep_dir(
@@ -274,6 +277,10 @@ def test_the_pages_submitit_local_sweep_runs_without_slurm_and_resumes_by_sweep_
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     sweep = check_sweep(typed, "submitit_local", sweep_reference,
                         r"process 1 of 2 \(submitit local job, task 1 of 2\)")
+    # Its console says what it waits for, and when the jobs have ended.
+    said = result.stdout + result.stderr
+    assert "sweep: 2 job(s) submitted to submitit's local executor; waiting" in said, said[-3000:]
+    assert "sweep: 2 of 2 job(s) finished" in said, said[-3000:]
     again = typed.run(command, *SWEEP_APPEND, f"hydra.sweep.dir={sweep}", env=env, timeout=600)
     assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
     logs = "".join(p.read_text() for p in (sweep / ".submitit").rglob("*_0_log.out"))
