@@ -10,6 +10,7 @@ the update that makes the state's step 6).
     FAULTS='{"kill_in_save_at_step": 4}'   # SIGKILL while step 4's save is in flight
     FAULTS='{"pause_at_step": 2, "resume_file": "/tmp/go"}'  # wait after step 2 for the file
     FAULTS='{"log_steps": true}'           # a line per dispatched step
+    FAULTS='{"check_all_bytes": 0}'        # JSON lines files checked as if large (first lines)
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Faults(StepHooks):
     pause_at_step: Optional[int] = None
     resume_file: Optional[str] = None
     log_steps: bool = False
+    check_all_bytes: Optional[int] = None  # for data.sources.CHECK_ALL_BYTES
 
     @classmethod
     def from_env(cls) -> "Faults":

@@ -4,6 +4,7 @@ only the response, a restored iterator continues exactly, and bad input is one s
 import contextlib
 import io
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -306,15 +307,75 @@ def test_bad_input_is_one_sentence_naming_the_key(corpus, tmp_path):
 
 
 def test_a_broken_json_line_among_the_first_is_refused_before_anything_runs(corpus, tmp_path):
-    """run_training.py reads the first lines of each JSON lines file right after validating
-    the config (before devices, data loading or compiling): a broken one is named with its line
-    number."""
+    """run_training.py parses JSON lines files right after validating the config (before
+    devices, data loading or compiling): a broken line is named with its line number, deep in
+    a small file too; in a large one (past CHECK_ALL_BYTES) only the first lines are read."""
     good = (corpus / "docs.jsonl").read_text().splitlines()[:2]
     (tmp_path / "broken.jsonl").write_text("\n".join([*good, '{"text": "unfinished']) + "\n")
     with pytest.raises(ConfigError, match=rf"data.path: line 3 of {tmp_path}/broken.jsonl is not "
                                           r"JSON \(.*\); each line must be one JSON object"):
-        sources.check_first_records(_cfg("data=jsonl", f"data.path={tmp_path}/broken.jsonl").data)
-    sources.check_first_records(_cfg("data=jsonl", f"data.path={corpus}/docs.jsonl").data)
+        sources.check_records(_cfg("data=jsonl", f"data.path={tmp_path}/broken.jsonl").data)
+    sources.check_records(_cfg("data=jsonl", f"data.path={corpus}/docs.jsonl").data)
+    deep = _records_broken_at(tmp_path / "deep.jsonl", 80, 40)
+    config = _cfg("data=jsonl", f"data.path={deep}").data
+    with pytest.raises(ConfigError, match=rf"line 40 of {deep} is not JSON"):
+        sources.check_records(config)
+    with monkeypatch_value(sources, "CHECK_ALL_BYTES", 0):
+        sources.check_records(config)  # line 40 is past the first lines
+
+
+@contextlib.contextmanager
+def monkeypatch_value(module, name: str, value):
+    before = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, before)
+
+
+def _records_broken_at(path, count: int, broken: int):
+    lines = [json.dumps({"text": f"record {i} of a few words"}) for i in range(count)]
+    lines[broken - 1] = '{"text": unfinished'
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.slow
+def test_a_broken_line_met_mid_run_stops_it_naming_the_line_and_the_step_to_go_on_from(tmp_path):
+    """A large file's broken line further in is met when it is read: the run stops with the
+    same sentence, saying before which step it stopped and which checkpoint it keeps; with the
+    line fixed, the same command goes on from that checkpoint to the end. (tests/faults.py
+    checks the small file as a large one.)"""
+    import grain
+
+    # A line past the first 32 that the run reads mid-way: about the 40th document of the
+    # first epoch's order (training.seed=0 shuffles the documents: data/pipeline.py).
+    order = list(grain.MapDataset.range(80).shuffle(seed=0))
+    line = next(i for i in order[40:] if i >= 32) + 1
+    data = _records_broken_at(tmp_path / "data.jsonl", 80, line)
+    (tmp_path / "eval.jsonl").write_text(data.read_text().splitlines()[0] + "\n")
+    run_dir = tmp_path / "run"
+    command = [*TINY, "model.num_layers=2", "data=jsonl", f"data.path={data}",
+               f"data.eval_path={tmp_path}/eval.jsonl", "data.seq_len=32",
+               "training.global_batch_size=8", "training.steps=16", "checkpoint.every_steps=2",
+               f"hydra.run.dir={run_dir}"]
+    stopped = run_cli(command, cwd=tmp_path, script="tests/faulty_training.py",
+                      env_extra={"TUNIX_TRAIN_TEST_FAULTS": '{"check_all_bytes": 0}'})
+    assert stopped.returncode == 2, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    said = re.search(rf"error: data.path: line {line} of {data} is not JSON \(.*\); each line must be "
+                     rf"one JSON object: fix or remove that line. The run stopped before step "
+                     rf"(\d+); its checkpoint of step (\d+) is kept: fix it and run the same "
+                     rf"command again to go on from there.\n", stopped.stderr)
+    assert said, stopped.stderr[-3000:]
+    before, kept = int(said[1]), int(said[2])
+    saved = max(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert 0 < kept == saved < before < 16
+    data.write_text(data.read_text().replace('{"text": unfinished', '{"text": "fixed"}'))
+    again = run_cli(command, cwd=tmp_path)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"resuming from step {kept} (" in again.stdout
+    assert "finished step 16 of 16" in again.stdout
 
 
 # ---------------------------------------------------------------------------------------------

@@ -127,6 +127,9 @@ class Checkpoints:
         self.manager.save(step, args=args, force=True)
         return True
 
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
     def close(self) -> None:
         """Waits until every started save has committed."""
         self.manager.close()

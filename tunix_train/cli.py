@@ -209,7 +209,7 @@ def run_training(cfg: DictConfig, run_dir: str, hooks=None) -> None:
     with user_errors(), refused_leaves_no_run_dir(Path(run_dir), Path(hydra.runtime.cwd)):
         config = typed(cfg, hydra.overrides.task, Path(hydra.runtime.cwd))
         validation.validate(config)
-        sources.check_first_records(config.data)  # reads the data files' first lines
+        sources.check_records(config.data)  # parses JSON lines files (first lines if large)
         nexts = NextCommands.of(hydra.overrides.task, Path(run_dir), Path(hydra.runtime.cwd))
         summary = run_lib.run(config, Path(run_dir), task_of(config.trainer.name),
                               hooks or run_lib.StepHooks())

@@ -82,30 +82,39 @@ def _records(files: list[Path], eval_files: list[Path] | None, data: DataConfig)
 
 
 JSON_LINES = (".jsonl", ".json")
-FIRST_RECORDS = 32  # lines of each JSON lines file read before anything compiles
-FIRST_FILES = 8  # files of each key checked so (a folder of thousands of shards: its first 8)
+CHECK_ALL_BYTES = 64 * 2**20  # JSON lines files up to this size in all: every line, at start-up
+FIRST_RECORDS = 32  # larger ones: the first lines of each file read before anything compiles
+FIRST_FILES = 8  # of their first 8 files (a folder of thousands of shards)
 
 
-def check_first_records(data: DataConfig) -> None:
-    """The first lines of the (first few) JSON lines files the data keys name parse as JSON: a
-    broken file is one sentence before compiling, not an error after it (a broken line further
-    in, or in a later shard, is found when it is read)."""
+def check_records(data: DataConfig) -> None:
+    """The JSON lines files the data keys name parse as JSON, line by line, before anything
+    compiles: a broken file is one sentence, not an error after minutes of compiling or in the
+    middle of a run. Every line of them when they hold at most CHECK_ALL_BYTES (about a second
+    of parsing); past that, the first lines of the first files, and a broken line further in
+    is found when it is read (the run then stops naming it and the checkpoint to go on from)."""
     if data.name not in ("jsonl", "prompts", "preferences"):
         return
     for key, pattern in (("data.path", data.path), ("data.eval_path", data.eval_path)):
         if not pattern:
             continue
         json_files = [f for f in resolve(pattern, data.name, key) if f.suffix in JSON_LINES]
-        for file in json_files[:FIRST_FILES]:
+        whole = sum(f.stat().st_size for f in json_files) <= CHECK_ALL_BYTES
+        for file in json_files if whole else json_files[:FIRST_FILES]:
             with open(file, encoding="utf-8", errors="replace") as lines:
-                for number, line in enumerate(itertools.islice(lines, FIRST_RECORDS), 1):
+                for number, line in enumerate(
+                        lines if whole else itertools.islice(lines, FIRST_RECORDS), 1):
                     try:
                         if line.strip():
                             json.loads(line)
                     except ValueError as error:
-                        raise ConfigError(
-                            f"{key}: line {number} of {file} is not JSON ({error}); each line "
-                            f"must be one JSON object: fix or remove that line.") from None
+                        where = f"line {number} of {file}"
+                        raise ConfigError(not_json(key, where, error)) from None
+
+
+def not_json(key: str, where: str, error: ValueError) -> str:
+    return (f"{key}: {where} is not JSON ({error}); each line must be one JSON object: fix or "
+            f"remove that line.")
 
 
 def resolve(pattern: str | None, source: str, key: str) -> list[Path]:
@@ -302,11 +311,11 @@ class JsonLines(_Records):
         with open(file, "rb") as f:
             f.seek(start)
             line = f.read(end - start)
-        where = f"{file} line {self.records[index] + 1}"
+        where = f"line {self.records[index] + 1} of {file}"
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
-            raise ConfigError(f"data.path: {where} is not valid JSON ({error}).") from None
+            raise ConfigError(not_json("data.path", where, error)) from None
         return self._extract(record, where)
 
 

@@ -22,7 +22,7 @@ import jax
 
 from tunix_train.analysis import profiling
 from tunix_train.checkpoint import Checkpoints
-from tunix_train.config import LoggingConfig, TrainingConfig
+from tunix_train.config import ConfigError, LoggingConfig, TrainingConfig
 from tunix_train.data.pipeline import GlobalBatches
 from tunix_train.training import optim
 from tunix_train.training.metrics import MetricsWriter, Throughput, format_line
@@ -88,7 +88,7 @@ class Loop:
         if previous is not None and not (isinstance(loss := previous[1]["loss"], jax.Array)
                                          and not loss.is_ready()):
             self._finished(previous[0])  # a step that runs to its end on the host (GRPO's)
-        state, metrics = self.train_step(state, self.hooks.batch(step, next(self.data)))
+        state, metrics = self.train_step(state, self.hooks.batch(step, self._next_batch(step)))
         if previous is not None:
             jax.block_until_ready(previous[1]["loss"])  # step-1 is done; step is queued behind
             self._finished(previous[0])
@@ -98,6 +98,17 @@ class Loop:
         self._unchecked.append((step, metrics))
         self.summary["final_step"] = step
         return state
+
+    def _next_batch(self, step: int) -> dict:
+        try:
+            return next(self.data)
+        except ConfigError as error:  # a bad record deep in a large file, met mid-run
+            saved = self.checkpoints.latest_step()  # committed once the run dir is closed
+            kept = (f"its checkpoint of step {saved} is kept: fix it and run the same command "
+                    f"again to go on from there" if saved is not None else
+                    f"it saved no checkpoint (checkpoint.every_steps="
+                    f"{self.checkpoints.cfg.every_steps}): fix it and run the same command again")
+            raise ConfigError(f"{error} The run stopped before step {step}; {kept}.") from None
 
     def _after_step(self, state, step: int, stop: bool, watchdog: Watchdog) -> None:
         save = stop or self.checkpoints.due(step) or step == self.training.steps
