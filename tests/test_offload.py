@@ -2,6 +2,7 @@
 too), against the same run with them on the device."""
 
 import types
+from dataclasses import replace
 
 import jax
 import numpy as np
@@ -55,6 +56,29 @@ def test_xla_places_the_optimizer_bytes_in_host_memory(runs):
     assert off.per_device_bytes["host"] == 0 and off.per_device_bytes["optimizer_host"] == 0
     assert on.xla_memory["arguments"] == pytest.approx(off.xla_memory["arguments"] - moments, abs=32)
     assert "pinned host memory" in "\n".join(on.memory_lines())
+
+
+def test_the_planners_verdict_covers_host_memory(runs):
+    """The planner's verdict (and so its exit code) holds the host bytes against
+    plan.host_memory_gb where the step keeps anything there, and names host memory when only
+    that does not fit; a step with nothing on the host is never refused for it."""
+    from tunix_train import plan
+
+    setup, costs = runs[True][:2]
+    host = costs.per_device_bytes["host"]
+    roomy = plan._record(setup, costs, 0.0)
+    assert roomy["fits"] and f"; host {host / plan.GB:.2f} GB of 128 GB per device" in \
+        plan._verdict(roomy)
+    limit = host / plan.GB / 2
+    tight = plan._record(replace(setup, cfg=compose_config(
+        *RUN, "training.offload_optimizer=true", f"plan.host_memory_gb={limit}")), costs, 0.0)
+    assert (tight["fits"], tight["fits_device"], tight["fits_host"]) == (False, True, False)
+    assert plan._verdict(tight).startswith(
+        f"does NOT fit in host memory: {host / plan.GB:.2f} GB > {limit:g} GB per device")
+    device_only = runs[False][0]
+    nothing = plan._record(replace(device_only, cfg=compose_config(
+        *RUN, f"plan.host_memory_gb={limit}")), runs[False][1], 0.0)
+    assert nothing["fits"] and "host" not in plan._verdict(nothing)
 
 
 def test_a_checkpoint_moves_between_offloaded_and_device_moments(runs, tmp_path):

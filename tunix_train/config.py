@@ -253,6 +253,7 @@ class PlannerConfig:
     """`python -m tunix_train.plan` only."""
 
     device_memory_gb: float = 80.0  # per device, available to JAX (1e9 bytes): the verdict's limit
+    host_memory_gb: float = 128.0  # pinned host memory per device (a machine's, over its devices)
     num_devices: Optional[int] = None  # devices to simulate; None = product of model.mesh_shape
 
 

@@ -124,6 +124,8 @@ def _record(setup, costs, compile_s: float) -> dict[str, Any]:
     from tunix_train.parallel import stages
 
     cfg, per_device = setup.cfg, costs.per_device_bytes
+    on_device = per_device["total"] <= cfg.plan.device_memory_gb * GB
+    on_host = per_device["host"] <= cfg.plan.host_memory_gb * GB
     return {
         "model": cfg.model.name,
         "mesh": {name: int(size) for name, size in setup.mesh.shape.items()},
@@ -148,7 +150,10 @@ def _record(setup, costs, compile_s: float) -> dict[str, Any]:
         "pipeline": stages.describe(setup.options.pipeline, cfg.model,
                                     setup.batch.rows // setup.options.sync.fsdp),
         "device_memory_gb": cfg.plan.device_memory_gb,
-        "fits": per_device["total"] <= cfg.plan.device_memory_gb * GB,
+        "host_memory_gb": cfg.plan.host_memory_gb,
+        "fits": on_device and on_host,
+        "fits_device": on_device,
+        "fits_host": on_host,
         "suggestions": suggestions(cfg, setup.batch.rows // setup.options.sync.fsdp),
         "compile_seconds": round(compile_s, 1),
     }
@@ -170,14 +175,28 @@ def suggestions(cfg: Config, micro_batch: int) -> list[str]:
     return found
 
 
+def _verdict(record: dict[str, Any]) -> str:
+    """Device memory against plan.device_memory_gb and, where the step keeps anything there
+    (training.offload_optimizer), host memory against plan.host_memory_gb."""
+    total, limit = record["per_device_bytes"]["total"] / GB, record["device_memory_gb"]
+    host, host_limit = record["per_device_bytes"]["host"] / GB, record["host_memory_gb"]
+    on_host = (f"; host {host:.2f} GB of {host_limit:g} GB per device" if host else "")
+    if record["fits"]:
+        return f"fits: {total:.2f} GB of {limit:g} GB per device{on_host}"
+    if not record["fits_device"]:
+        return (f"does NOT fit: {total:.2f} GB > {limit:g} GB per device{on_host}; "
+                f"{', or '.join(record['suggestions'])}")
+    return (f"does NOT fit in host memory: {host:.2f} GB > {host_limit:g} GB per device "
+            f"(plan.host_memory_gb, the machine's pinned memory over its devices), with "
+            f"{total:.2f} GB of {limit:g} GB on the device; put more devices on fsdp "
+            f"(model.mesh_shape), or set training.offload_optimizer=false")
+
+
 def _summary(record: dict[str, Any], costs) -> list[str]:
     from tunix_train.parallel import stages
 
     mesh = " × ".join(f"{k}={v}" for k, v in record["mesh"].items())
-    total, limit = record["per_device_bytes"]["total"] / GB, record["device_memory_gb"]
-    verdict = (f"fits: {total:.2f} GB of {limit:g} GB per device" if record["fits"] else
-               f"does NOT fit: {total:.2f} GB > {limit:g} GB per device; "
-               f"{', or '.join(record['suggestions'])}")
+    verdict = _verdict(record)
     return [
         f"plan: {record['model']} ({record['num_params']:,} parameters) on {mesh}, zero_stage "
         f"{record['zero_stage']}, compute {record['compute_dtype']}, "
