@@ -107,3 +107,59 @@ def test_the_attention_path_is_logged_once_and_a_refusal_is_a_warning(caplog, mo
     [warning] = [r for r in caplog.records if r.getMessage().startswith("attention:")]
     assert warning.levelname == "WARNING" and "cuDNN refused this call (" in warning.getMessage()
     assert warning.getMessage().endswith("using the xla attention")  # 8 tokens: dense
+
+
+def test_a_cudnn_failure_at_compile_time_makes_auto_compile_again_without_it(caplog,
+                                                                             monkeypatch):
+    """On a GPU cuDNN can accept a call while tracing and fail when XLA compiles its kernel.
+    Here a GPU's choice (cuDNN, taken while tracing, stood in for by the dense computation)
+    meets an injected cuDNN error from the first compile: the step is traced and compiled
+    again without cuDNN, with one warning, and later traces keep away from it; any other
+    compile error is raised as it is."""
+    from tunix_train.models import attention as attention_lib
+
+    setup = Setup.create(compose_config(*ONE_STACK, "training.mixed_precision=bf16"),
+                         jax.devices()[:1])
+    monkeypatch.setattr(attention_lib, "_on_gpu", lambda: True)
+    monkeypatch.setattr(attention_lib, "_CUDNN_FAILED", [])
+    monkeypatch.setattr(attention_lib, "_REPORTED", set())
+    traced = []  # cudnn=True/False, per attention call traced
+    library = attention_lib.Attention._library
+
+    def stand_in(self, q, k, v, segment_ids, window, cudnn):
+        traced.append(cudnn)
+        return library(self, q, k, v, segment_ids, window, cudnn=False)
+
+    compile_, failed_after = jax.stages.Lowered.compile, []
+
+    def failing_once(self, *args, **kwargs):
+        if not failed_after:
+            failed_after.append(len(traced))
+            raise RuntimeError("INTERNAL: cuDNN: no valid execution plan for the fused attention "
+                               "(injected)\nmore detail")
+        return compile_(self, *args, **kwargs)
+
+    monkeypatch.setattr(attention_lib.Attention, "_library", stand_in)
+    monkeypatch.setattr(jax.stages.Lowered, "compile", failing_once)
+    with caplog.at_level("INFO", logger="tunix_train"):
+        compiled = setup.compile_train_step()
+    first = failed_after[0]
+    assert first and all(traced[:first]) and traced[first:] and not any(traced[first:])
+    said = [r for r in caplog.records if r.getMessage().startswith("attention:")]
+    assert [r.levelname for r in said].count("WARNING") == 1
+    assert ("attention: cuDNN's fused attention failed to compile (INTERNAL: cuDNN: no valid "
+            "execution plan for the fused attention (injected)); compiling again without it") in \
+        [r.getMessage() for r in said if r.levelname == "WARNING"][0]
+    assert any("cuDNN's attention failed to compile in this process" in r.getMessage()
+               for r in said)
+    batch = {k: jnp.ones(x.shape, x.dtype) for k, x in setup.abstract_batch().items()}
+    _, metrics = compiled(setup.fresh_state(), batch)
+    assert np.isfinite(float(metrics["loss"]))
+
+    monkeypatch.setattr(attention_lib, "_CUDNN_FAILED", [])
+    failed_after.clear()
+    monkeypatch.setattr(jax.stages.Lowered, "compile", lambda self, *a, **k: (_ for _ in ()).throw(
+        RuntimeError("INTERNAL: out of memory")))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        setup.compile_train_step()
+    assert not attention_lib._CUDNN_FAILED

@@ -209,7 +209,9 @@ def attention_path(implementation: str, dtype, masked: bool, length: int,
                          f"Pallas's interpreter, exact but slow; the kernels are for GPUs"
     if implementation in ("xla", "blockwise", "cudnn", "pallas"):
         return implementation, f"model.attention_impl={implementation}"
-    if jax.default_backend() != "gpu":
+    if _CUDNN_FAILED:
+        why = f"cuDNN's attention failed to compile in this process ({_CUDNN_FAILED[0]})"
+    elif not _on_gpu():
         why = f"model.attention_impl=auto on {jax.default_backend()}: cuDNN needs a GPU"
     elif jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
         why = f"cuDNN's fused attention takes bf16 or fp16, and compute is " \
@@ -221,6 +223,28 @@ def attention_path(implementation: str, dtype, masked: bool, length: int,
     else:
         return "cudnn", "model.attention_impl=auto on a GPU"
     return without_cudnn(length, head_dim, why)
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+_CUDNN_FAILED: list[str] = []  # why cuDNN's attention failed to compile here, once it has
+
+
+def fall_back_from_cudnn(error: BaseException, implementation: str) -> bool:
+    """Whether a step whose compilation raised `error` should be traced and compiled again
+    without cuDNN's attention: under `auto`, when the error is cuDNN's (its own checks pass
+    while tracing, and some failures only come when XLA compiles the fused kernel). Says so
+    once; from then on `auto` takes the path it takes without cuDNN, in every step this
+    process traces (train, eval, generate)."""
+    if implementation != "auto" or _CUDNN_FAILED or "cudnn" not in str(error).lower():
+        return False
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    _CUDNN_FAILED.append(first[:200])
+    log.warning("attention: cuDNN's fused attention failed to compile (%s); compiling again "
+                "without it (model.attention_impl=auto)", _CUDNN_FAILED[0])
+    return True
 
 
 def without_cudnn(length: int, head_dim: int, why: str) -> tuple[str, str]:

@@ -29,7 +29,7 @@ from tunix_train.analysis import costs
 from tunix_train.config import Config, ConfigError, TrainingConfig
 from tunix_train.data import pipeline
 from tunix_train.data.pipeline import BatchShape
-from tunix_train.models import families, quantization
+from tunix_train.models import attention, families, quantization
 from tunix_train.models.head import VocabChunks
 from tunix_train.parallel import fsdp, sharding
 from tunix_train.parallel import stages
@@ -102,9 +102,16 @@ class Setup:
         log.info("compiling the train step (%s tokens per step on %s) …",
                  f"{self.tokens_per_step:,}", " × ".join(f"{k}={v}" for k, v in
                                                         self.mesh.shape.items()))
-        compiled = self.train_step(loss_fn).lower(self.state.with_shardings(),
-                                                  self.abstract_batch(extra)).compile(
-                                                      compiler_options)
+        def compile_() -> jax.stages.Compiled:  # a fresh trace each time
+            return self.train_step(loss_fn).lower(
+                self.state.with_shardings(), self.abstract_batch(extra)).compile(compiler_options)
+
+        try:
+            compiled = compile_()
+        except Exception as error:  # noqa: BLE001 - only cuDNN's is handled, the rest re-raised
+            if not attention.fall_back_from_cudnn(error, self.cfg.model.attention_impl):
+                raise
+            compiled = compile_()
         log.info("compiled the train step in %.1f s", time.perf_counter() - start)
         return compiled
 
