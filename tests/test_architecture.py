@@ -1,7 +1,8 @@
 """The package's import arrows run one way, read from the source of every module:
 
     entry points (cli, plan, generate, export, launch)
-      → grpo, dpo → training → inference → analysis → parallel → models, data, checkpoint → config, validation
+      → grpo, dpo → training → inference → analysis → parallel → models, data, checkpoint
+      → config, validation, paths, backend
 
 No cycles; the model package never imports the distribution layer (it names logical axes only);
 inference never imports the trainer; mesh axis names are spelled in the mesh module alone.
@@ -23,7 +24,7 @@ LAYERS = [  # top to bottom; a module may import its own layer's modules and tho
     {"tunix_train.analysis"},
     {"tunix_train.parallel"},
     {"tunix_train.models", "tunix_train.data", "tunix_train.checkpoint"},
-    {"tunix_train.config", "tunix_train.validation", "tunix_train.paths"},
+    {"tunix_train.config", "tunix_train.validation", "tunix_train.paths", "tunix_train.backend"},
 ]
 
 
@@ -103,6 +104,15 @@ def test_mesh_axis_names_are_spelled_in_the_mesh_module_alone():
                for node in ast.walk(ast.parse(path.read_text()))
                if isinstance(node, ast.Constant) and node.value in ("fsdp", "tp")}
     assert spelled == {"tunix_train.parallel.mesh"}
+
+
+def test_the_platform_is_asked_in_the_backend_module_alone():
+    """Every difference between the CPU's program and a GPU's starts at tunix_train/backend.py
+    (the brief: keep `jax.default_backend()` checks few and in one place)."""
+    asking = {name for name, path in MODULES.items()
+              for node in ast.walk(ast.parse(path.read_text()))
+              if isinstance(node, ast.Attribute) and node.attr == "default_backend"}
+    assert asking == {"tunix_train.backend"}
 
 
 def _code_strings(tree: ast.AST) -> list[str]:

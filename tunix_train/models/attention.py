@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tunix_train import backend
 from tunix_train.config import LoraConfig, ModelConfig
 from tunix_train.models import blockwise, context, flash, kv_cache, lora, partitioning, rope
 from tunix_train.models.family import Architecture
@@ -204,15 +205,15 @@ def attention_path(implementation: str, dtype, masked: bool, length: int,
     masked, the length and the head dim. `auto` on a GPU takes pallas only for packed documents
     above CUDNN_BIAS_MAX_TOKENS, where it was measured against blockwise (blockwise for a head
     dim the kernels cannot tile)."""
-    if implementation == "pallas" and jax.default_backend() != "gpu":
-        return "pallas", f"model.attention_impl=pallas on {jax.default_backend()}: through " \
+    if implementation == "pallas" and not backend.is_gpu():
+        return "pallas", f"model.attention_impl=pallas on {backend.name()}: through " \
                          f"Pallas's interpreter, exact but slow; the kernels are for GPUs"
     if implementation in ("xla", "blockwise", "cudnn", "pallas"):
         return implementation, f"model.attention_impl={implementation}"
     if _CUDNN_FAILED:
         why = f"cuDNN's attention failed to compile in this process ({_CUDNN_FAILED[0]})"
     elif not _on_gpu():
-        why = f"model.attention_impl=auto on {jax.default_backend()}: cuDNN needs a GPU"
+        why = f"model.attention_impl=auto on {backend.name()}: cuDNN needs a GPU"
     elif jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
         why = f"cuDNN's fused attention takes bf16 or fp16, and compute is " \
               f"{jnp.dtype(dtype).name}"
@@ -226,7 +227,7 @@ def attention_path(implementation: str, dtype, masked: bool, length: int,
 
 
 def _on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
+    return backend.is_gpu()
 
 
 _CUDNN_FAILED: list[str] = []  # why cuDNN's attention failed to compile here, once it has

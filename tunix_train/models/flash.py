@@ -33,6 +33,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from tunix_train import backend
+
 BLOCK = 64  # tokens per query and key block; dot operands need ≥ 16 rows on the tensor cores
 # Above head dim 128 the backward kernels take blocks of 32: a dK/dV program keeps two [b, H] fp32
 # accumulators (128 KB at b = 64, H = 256, more than 8 warps' registers) and streams [b, H]
@@ -68,7 +70,7 @@ def attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array,
     segments = jnp.pad(segment_ids_BxL.astype(jnp.int32), ((0, 0), (0, padded)),
                        constant_values=-1)
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = not backend.is_gpu()
     tiles = _Tiles(b, window, float(scale), N // k.shape[2], bool(interpret), 4 if H <= 64 else 8)
     return _attention(q, k, v, segments, tiles)[:, :L]
 

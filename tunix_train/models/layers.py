@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from tunix_train import backend
 from tunix_train.config import ModelConfig
 from tunix_train.models import head
 from tunix_train.models.params import materialize, take
@@ -57,7 +58,7 @@ def project(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
     `_project_cpu` transposes the smaller of x and dy itself, behind a barrier XLA cannot fold.
     Elsewhere the plain contraction: cuBLAS takes transposed operands as they are.
     """
-    if jax.default_backend() == "cpu":
+    if backend.is_cpu():
         y = _project_cpu(x, w, contract)
     else:
         y = jnp.tensordot(x, w, axes=contract)

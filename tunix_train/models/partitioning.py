@@ -15,6 +15,8 @@ import jax
 from flax.core import spmd as flax_spmd
 from jax.sharding import PartitionSpec as P
 
+from tunix_train import backend
+
 
 def active_rules() -> dict[str, str | None]:
     """The logical → mesh axis rules in effect while tracing ({} outside `sharding.activate`);
@@ -65,7 +67,7 @@ def _single_auto_axes(mesh) -> set[str]:
     changes nothing they compute but keeps XLA's CPU compiler from aborting
     (AllReducePromotion, XLA 0.10) on the 16-bit gradient sums of a train step with cp.
     Other backends keep `per_device` as it was: no shard_map where nothing splits."""
-    if jax.default_backend() != "cpu":
+    if not backend.is_cpu():
         return set()
     return {axis for axis in mesh.auto_axes if mesh.shape[axis] == 1}
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from tunix_train import backend
 from tunix_train.models import params as model_params
 from tunix_train.parallel.mesh import FSDP, PP
 
@@ -291,7 +292,7 @@ def cpu_safe_reduction(reduce: Callable[[jax.Array], jax.Array]) -> Callable:
     the same program, named so that the communication report counts the narrow dtype."""
     def widened(x: jax.Array) -> jax.Array:
         dtype = jnp.dtype(x.dtype)
-        if jax.default_backend() != "cpu" or dtype == jnp.float32:
+        if not backend.is_cpu() or dtype == jnp.float32:
             return reduce(x)
         with jax.named_scope(WIDENED + dtype.name):
             return reduce(x.astype(jnp.float32)).astype(dtype)

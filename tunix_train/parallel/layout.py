@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from tunix_train import backend
 from tunix_train import checkpoint
 from tunix_train.config import LoraConfig, ModelConfig
 from tunix_train.models import families, hf_weights, lora as lora_lib, quantization
@@ -200,7 +201,7 @@ def compute_dtype(mixed_precision: str) -> jnp.dtype:
     """`training.mixed_precision`: auto = bf16 on accelerators, fp32 on CPUs (where bf16 is
     10-25% slower)."""
     if mixed_precision == "auto":
-        mixed_precision = "fp32" if jax.default_backend() == "cpu" else "bf16"
+        mixed_precision = "fp32" if backend.is_cpu() else "bf16"
     return jnp.bfloat16 if mixed_precision == "bf16" else jnp.float32
 
 

@@ -24,6 +24,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
+from tunix_train import backend
 from tunix_train.config import ConfigError
 
 FSDP = "fsdp"
@@ -94,7 +95,7 @@ def parse(mesh_shape: Sequence[Any] | None, num_devices: int) -> MeshShape:
 
 def cpu_hint(wanted: int) -> str:
     """What to do when JAX runs on the CPU but the mesh was meant for accelerators."""
-    if jax.default_backend() != "cpu":
+    if not backend.is_cpu():
         return ""
     gpu = (", or for this machine's NVIDIA GPUs install JAX's CUDA wheels (pip install -c "
            "constraints.txt -e '.[cuda]')" if nvidia_gpus_present() else "")

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from omegaconf import OmegaConf
 
+from tunix_train import backend
 from tunix_train import validation
 from tunix_train.analysis import flops, profiling
 from tunix_train.checkpoint import Checkpoints
@@ -198,7 +199,7 @@ def log_startup(setup: Setup, state, writer: MetricsWriter) -> None:
         f"model: {m.name} ({families.of(m).display}: {m.num_layers} layers, d {m.embed_dim}, "
         f"{m.num_heads} heads ({m.num_kv_heads} KV) of {m.head_dim}, vocab {m.vocab_size}, "
         f"{'tied' if m.tie_embeddings else 'own'} output head)",
-        f"devices: {len(devices)} × {devices[0].device_kind} ({jax.default_backend()}) over "
+        f"devices: {len(devices)} × {devices[0].device_kind} ({backend.name()}) over "
         f"{jax.process_count()} process(es); this is process {jax.process_index()}",
         f"mesh: {' × '.join(f'{k}={v}' for k, v in mesh.shape.items())}",
         f"batch: micro_batch {b.rows // fsdp} × fsdp {fsdp} × accumulation {b.accum} = "
@@ -214,7 +215,7 @@ def log_startup(setup: Setup, state, writer: MetricsWriter) -> None:
         lines.append(stages.line(pipeline))
     for line in lines:
         log.info(line)
-    if jax.default_backend() == "cpu" and mesh_lib.nvidia_gpus_present():
+    if backend.is_cpu() and mesh_lib.nvidia_gpus_present():
         log.warning("this machine has NVIDIA GPUs but JAX runs on the CPU: install JAX's CUDA "
                     "wheels with pip install -c constraints.txt -e '.[cuda]' (README)")
     lines.append(f"parameters: {count:,} ({total / 1e6:.1f} MB fp32); per device "

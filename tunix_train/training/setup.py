@@ -23,6 +23,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
+from tunix_train import backend
 from tunix_train import checkpoint
 from tunix_train import config as config_lib
 from tunix_train.analysis import costs
@@ -122,7 +123,7 @@ class Setup:
         again from the same function on its first call, takes them."""
         four_bit = any(quantization.itemsize(leaf.dtype) < 1
                        for leaf in jax.tree.leaves(self.state.abstract.get(FROZEN, {})))
-        if four_bit and jax.default_backend() == "cpu":
+        if four_bit and backend.is_cpu():
             return self.train_step(loss_fn)
         return compiled
 
