@@ -120,7 +120,7 @@ def test_a_cudnn_failure_at_compile_time_makes_auto_compile_again_without_it(cap
 
     setup = Setup.create(compose_config(*ONE_STACK, "training.mixed_precision=bf16"),
                          jax.devices()[:1])
-    monkeypatch.setattr(attention_lib, "_on_gpu", lambda: True)
+    monkeypatch.setattr(attention_lib.backend, "is_gpu", lambda: True)
     monkeypatch.setattr(attention_lib, "_CUDNN_FAILED", [])
     monkeypatch.setattr(attention_lib, "_REPORTED", set())
     traced = []  # cudnn=True/False, per attention call traced

@@ -196,7 +196,6 @@ def _summary(record: dict[str, Any], costs) -> list[str]:
     from tunix_train.parallel import stages
 
     mesh = " × ".join(f"{k}={v}" for k, v in record["mesh"].items())
-    verdict = _verdict(record)
     return [
         f"plan: {record['model']} ({record['num_params']:,} parameters) on {mesh}, zero_stage "
         f"{record['zero_stage']}, compute {record['compute_dtype']}, "
@@ -207,7 +206,7 @@ def _summary(record: dict[str, Any], costs) -> list[str]:
         *costs.memory_lines("GB"), costs.sync_line(),
         f"FLOPs per step (all devices, as compiled): {record['flops_per_step']:.3e}",
         "collectives per step, per device:", *costs.comm.table().splitlines(),
-        f"verdict: {verdict}",
+        f"verdict: {_verdict(record)}",
     ]
 
 

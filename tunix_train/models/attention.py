@@ -212,7 +212,7 @@ def attention_path(implementation: str, dtype, masked: bool, length: int,
         return implementation, f"model.attention_impl={implementation}"
     if _CUDNN_FAILED:
         why = f"cuDNN's attention failed to compile in this process ({_CUDNN_FAILED[0]})"
-    elif not _on_gpu():
+    elif not backend.is_gpu():
         why = f"model.attention_impl=auto on {backend.name()}: cuDNN needs a GPU"
     elif jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
         why = f"cuDNN's fused attention takes bf16 or fp16, and compute is " \
@@ -224,10 +224,6 @@ def attention_path(implementation: str, dtype, masked: bool, length: int,
     else:
         return "cudnn", "model.attention_impl=auto on a GPU"
     return without_cudnn(length, head_dim, why)
-
-
-def _on_gpu() -> bool:
-    return backend.is_gpu()
 
 
 _CUDNN_FAILED: list[str] = []  # why cuDNN's attention failed to compile here, once it has
