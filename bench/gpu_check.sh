@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Every feature a GPU user can reach, each compiled and run for 2 steps on the local GPU: one line
 # each, `PASS name (s)` or `FAIL name (exit, s): the error's first line`; exits 1 if any failed.
-# Meant for a short GPU window (about 6 minutes on one H100/H200), before any benchmark:
+# Meant for a short GPU window, before any benchmark: the checks (about 25 s each, mostly start-up
+# and compilation; 12 minutes one after another on an H100, 2026-11-27) run GPU_CHECK_JOBS (4) at
+# a time, each process given 1/GPU_CHECK_JOBS of the GPU's memory:
 #   bash bench/gpu_check.sh                      # from anywhere
 #   GPU_CHECK_ONLY='attention|lora' bash bench/gpu_check.sh   # the checks whose names match
+#   GPU_CHECK_JOBS=1 bash bench/gpu_check.sh     # one at a time, all of the GPU's memory each
 # Dependencies: a machine whose image has JAX but not hydra/grain/qwix gets them from .whl/,
 # which `bash bench/gpu_wheels.sh` fills where pip can download (carry .whl to the machine);
 # they are installed into /tmp/site, nothing else is touched. Each check's whole output is in
@@ -20,12 +23,15 @@ if ! python3 -c 'import hydra, grain, qwix, tensorboardX' 2>/dev/null; then
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
+jobs_max=${GPU_CHECK_JOBS:-4}
+fraction=$(python3 -c "print(round(0.9 / $jobs_max, 3))")
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-$fraction}
 logs=${OUT:-bench_results}/gpu_check
 runs=$(mktemp -d)/runs
 mkdir -p "$logs" "$runs"
 limit=${GPU_CHECK_TIMEOUT_S:-120}
-status=0
+results=$runs/results.txt
+: > "$results"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
 python3 -c 'import jax; print("jax", jax.__version__, jax.devices())'
 
@@ -36,7 +42,7 @@ check() {  # name, command...: runs it, prints one line
   timeout "$limit" "$@" > "$log" 2>&1
   rc=$?
   if [ $rc -eq 0 ]; then
-    echo "PASS $name ($((SECONDS - start)) s)"
+    echo "PASS $name ($((SECONDS - start)) s)" | tee -a "$results"
   else
     local first
     # Our one-sentence errors, else the last exception line, else the last line.
@@ -44,9 +50,14 @@ check() {  # name, command...: runs it, prints one line
       | tail -n 1)
     [ -n "$first" ] || first=$(tail -n 1 "$log")
     [ $rc -eq 124 ] && first="timed out after $limit s; last line: $(tail -n 1 "$log")"
-    echo "FAIL $name (exit $rc, $((SECONDS - start)) s): ${first:0:300}"
-    status=1
+    echo "FAIL $name (exit $rc, $((SECONDS - start)) s): ${first:0:300}" | tee -a "$results"
+    return 1
   fi
+}
+
+together() {  # command...: runs it in the background, GPU_CHECK_JOBS at most at once
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n; done
+  "$@" &
 }
 
 small=()  # the sizes a CPU can run, with GPU_CHECK_SCALE=cpu
@@ -63,55 +74,64 @@ train() {  # name, overrides...: compile and 2 steps, bf16, in a run dir of its 
 }
 seq2k=(data.seq_len=2048 training.micro_batch_size=1)
 
+# The planner first, as it takes longest (it compiles for simulated CPU devices, on any machine).
+together check plan python3 -m tunix_train.plan model=llama3_1_8b "${one[@]}" \
+  training.micro_batch_size=1 data.seq_len=2048 training.mixed_precision=bf16 lora.rank=16
+# The checks that need an earlier one's files run in order, as one background job each.
+checkpoints() {  # saved at step 2, then the same run dir goes on to step 3; generate, export
+  train save model=gemma3_270m model.num_layers=2 checkpoint.every_steps=1 "${seq2k[@]}"
+  check restore python3 run_training.py "${one[@]}" training.steps=3 \
+    training.mixed_precision=bf16 model=gemma3_270m model.num_layers=2 "${seq2k[@]}" \
+    hydra.run.dir="$runs/save" "${small[@]}"
+  check restore-resumed grep -q "resuming from step 2" "$logs/restore.log"
+  check generate python3 -m tunix_train.generate checkpoint.resume_from="$runs/save" \
+    'generate.prompt="The capital of France is"' generate.max_new_tokens=8
+  check export python3 -m tunix_train.export checkpoint.resume_from="$runs/save" \
+    export.path="$runs/exported"
+}
+together checkpoints
+post_training() {  # DPO and GRPO on the docs' demo data
+  check demo-data python3 -m tunix_train.data.demo "$runs/demo_data"
+  train dpo model=gemma3_270m model.num_layers=2 trainer=dpo data=preferences \
+    data.path="$runs/demo_data/dpo/pairs.jsonl" data.seq_len=64 training.global_batch_size=8
+  train grpo model=gemma3_270m model.num_layers=2 trainer=grpo data=prompts \
+    data.path="$runs/demo_data/grpo/sums.jsonl" \
+    data.seq_len=16 grpo.max_new_tokens=4 'grpo.rewards=[answer]' "grpo.answer_pattern='^(\d+)'" \
+    training.global_batch_size=16 grpo.num_generations=8
+}
+together post_training
+profile() {  # the profiler and the communication report read from the GPU's HLO
+  train profile model=gemma3_270m model.num_layers=2 training.profile_communication=true \
+    training.steps=4 "${seq2k[@]}"
+  check profile-report test -s "$runs/profile/comm_report.json"
+}
+together profile
 # Models at their published widths, 2 layers (what is compiled is a layer's; the stack is a
 # loop), so that each check takes seconds. Each family, with the default attention:
-train family-gemma3 model=gemma3_1b model.num_layers=2 "${seq2k[@]}"
-train family-llama3 model=llama3_2_1b model.num_layers=2 "${seq2k[@]}"
-train family-qwen3 model=qwen3_0_6b model.num_layers=2 "${seq2k[@]}"
+together train family-gemma3 model=gemma3_1b model.num_layers=2 "${seq2k[@]}"
+together train family-llama3 model=llama3_2_1b model.num_layers=2 "${seq2k[@]}"
+together train family-qwen3 model=qwen3_0_6b model.num_layers=2 "${seq2k[@]}"
 # Recomputation policies.
 for remat in none save_dots full; do
-  train "remat-$remat" model=gemma3_270m model.num_layers=2 training.remat=$remat "${seq2k[@]}"
+  together train "remat-$remat" model=gemma3_270m model.num_layers=2 training.remat=$remat \
+    "${seq2k[@]}"
 done
 # Attention paths at 2k and 16k tokens (auto = cuDNN where it applies).
 for impl in auto cudnn pallas blockwise; do
   for len in 2048 16384; do
-    train "attention-$impl-$len" model=gemma3_270m model.num_layers=2 model.attention_impl=$impl \
-      data.seq_len=$len training.micro_batch_size=1
+    together train "attention-$impl-$len" model=gemma3_270m model.num_layers=2 \
+      model.attention_impl=$impl data.seq_len=$len training.micro_batch_size=1
   done
 done
 # LoRA and QLoRA (4-bit nf4 and int8 bases).
-train lora model=gemma3_270m model.num_layers=2 lora.rank=16 "${seq2k[@]}"
+together train lora model=gemma3_270m model.num_layers=2 lora.rank=16 "${seq2k[@]}"
 for base in nf4 int8; do
-  train "qlora-$base" model=gemma3_270m model.num_layers=2 lora.rank=16 \
+  together train "qlora-$base" model=gemma3_270m model.num_layers=2 lora.rank=16 \
     lora.base_quantization=$base "${seq2k[@]}"
 done
 # Optimizer state in pinned host memory.
-train offload-optimizer model=gemma3_270m model.num_layers=2 training.offload_optimizer=true \
-  "${seq2k[@]}"
-# The profiler and the communication report read from the GPU's HLO.
-train profile model=gemma3_270m model.num_layers=2 training.profile_communication=true \
-  training.steps=4 "${seq2k[@]}"
-check profile-report test -s "$runs/profile/comm_report.json"
-# Post-training on the docs' demo data.
-check demo-data python3 -m tunix_train.data.demo "$runs/demo_data"
-train dpo model=gemma3_270m model.num_layers=2 trainer=dpo data=preferences \
-  data.path="$runs/demo_data/dpo/pairs.jsonl" data.seq_len=64 training.global_batch_size=8
-train grpo model=gemma3_270m model.num_layers=2 trainer=grpo data=prompts \
-  data.path="$runs/demo_data/grpo/sums.jsonl" \
-  data.seq_len=16 grpo.max_new_tokens=4 'grpo.rewards=[answer]' "grpo.answer_pattern='^(\d+)'" \
-  training.global_batch_size=16 grpo.num_generations=8
-# Checkpoints: saved at step 2, then the same run dir goes on to step 3.
-train save model=gemma3_270m model.num_layers=2 checkpoint.every_steps=1 "${seq2k[@]}"
-check restore python3 run_training.py "${one[@]}" training.steps=3 training.mixed_precision=bf16 \
-  model=gemma3_270m model.num_layers=2 "${seq2k[@]}" hydra.run.dir="$runs/save" \
-  "${small[@]}"
-check restore-resumed grep -q "resuming from step 2" "$logs/restore.log"
-# Generate and export from that run.
-check generate python3 -m tunix_train.generate checkpoint.resume_from="$runs/save" \
-  'generate.prompt="The capital of France is"' generate.max_new_tokens=8
-check export python3 -m tunix_train.export checkpoint.resume_from="$runs/save" \
-  export.path="$runs/exported"
-# The planner (it compiles for simulated CPU devices, on any machine).
-check plan python3 -m tunix_train.plan model=llama3_1_8b "${one[@]}" training.micro_batch_size=1 \
-  data.seq_len=2048 training.mixed_precision=bf16 lora.rank=16
-exit $status
+together train offload-optimizer model=gemma3_270m model.num_layers=2 \
+  training.offload_optimizer=true "${seq2k[@]}"
+wait
+echo "$(grep -c '^PASS' "$results") passed, $(grep -c '^FAIL' "$results") failed in $SECONDS s"
+! grep -q '^FAIL' "$results"
