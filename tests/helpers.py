@@ -50,6 +50,11 @@ FAMILY_MODELS = {
                "model.head_dim=16"],
     "qwen3": ["model=qwen3_tiny", "model.embed_dim=64", "model.hidden_dim=128",
               "model.head_dim=16"],
+    # Every second layer routed (1 and 3; 0, 2 and the trailing 4 dense), without the router's
+    # losses, which group tokens by device and micro-batch (test_moe.py holds those).
+    "qwen3_moe": ["model=qwen3_moe_tiny", "model.embed_dim=64", "model.hidden_dim=128",
+                  "model.head_dim=16", "model.expert_hidden_dim=32", "model.num_layers=5",
+                  "model.moe_every=2", "training.moe_aux_loss_weight=0"],
 }
 FAMILIES = list(FAMILY_MODELS)
 

@@ -39,11 +39,23 @@ QWEN = dict(
     rope_theta=1_000_000.0, tie_word_embeddings=True, max_position_embeddings=1024,
 )
 
+# Qwen 3 MoE: 5 experts of width 48, 2 per token, weights not renormalised, and every second
+# layer routed (layer 1 of 3; layers 0 and 2 dense, the last one after the last routed layer),
+# an output head of its own. transformers saves the experts fused.
+QWEN_MOE = dict(
+    vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0, tie_word_embeddings=False, max_position_embeddings=1024,
+    num_experts=5, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=False,
+    decoder_sparse_step=2, router_aux_loss_coef=0.01,
+)
+
 # family → (config class, model class, settings)
 FAMILIES = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", CONFIG),
     "llama3": ("LlamaConfig", "LlamaForCausalLM", LLAMA),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", QWEN),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN_MOE),
 }
 
 

@@ -136,7 +136,7 @@ def test_no_production_code_can_switch_on_fault_injection():
 
 
 FAMILY_MODULES = {"tunix_train.models.gemma3", "tunix_train.models.llama3",
-                  "tunix_train.models.qwen3"}
+                  "tunix_train.models.qwen3", "tunix_train.models.qwen3_moe"}
 OUTSIDE_MODELS = ("tunix_train.parallel", "tunix_train.training", "tunix_train.inference",
                   "tunix_train.analysis", "tunix_train.grpo")
 
@@ -148,10 +148,11 @@ def test_families_are_registered_not_imported_by_the_layers_that_use_models():
     from tunix_train.models import families
     from tunix_train.models.family import LAYERS, TRAILING
 
-    every_stack = ModelConfig(num_layers=13, global_every=6)  # blocks and trailing layers
+    every_stack = ModelConfig(num_layers=13, global_every=6, num_experts=4, moe_every=3,
+                              expert_hidden_dim=8)  # blocks and trailing layers, dense and routed
     stacks = {s for f in families.FAMILIES.values() for s in f.layout(every_stack).stacks}
     stacks -= {LAYERS, TRAILING}  # also the logical axes of layer stacks, which rules name
-    assert stacks == {"local_layers", "global_layers"}
+    assert stacks == {"local_layers", "global_layers", "dense_layers"}
     assert {f"tunix_train.models.{name}" for name in families.FAMILIES} == FAMILY_MODULES
     for name, targets in GRAPH.items():
         if name.startswith(OUTSIDE_MODELS):
@@ -159,4 +160,5 @@ def test_families_are_registered_not_imported_by_the_layers_that_use_models():
             spelled = set(_code_strings(ast.parse(MODULES[name].read_text()))) & stacks
             assert not spelled, (name, spelled)
     importers = {name for name, targets in GRAPH.items() if targets & FAMILY_MODULES}
-    assert importers == {"tunix_train.models.families", "tunix_train.models.qwen3"}
+    assert importers == {"tunix_train.models.families", "tunix_train.models.qwen3",
+                         "tunix_train.models.qwen3_moe"}

@@ -55,3 +55,24 @@ def test_monitoring_page_run_and_script_as_typed(typed):
     printed = ok(typed.run_python(script)).splitlines()
     assert printed[0].startswith("loss ") and " -> " in printed[0]
     assert [step for step, _ in eval(printed[1])] == [5 * i for i in range(1, 9)]
+
+
+def test_models_page_mixture_of_experts_as_typed(typed):
+    """docs/models.md's Qwen 3 MoE run (shorter rows appended): the held-out loss falls at every
+    evaluation, with the router's metrics logged; then its planner command as typed, which
+    prints the per-device memory the page's table shows."""
+    [train] = page_commands("docs/models.md", "model=qwen3_moe_tiny")
+    output = ok(typed.run(train, "data.seq_len=64", "data.max_corpus_bytes=400000"))
+    assert "aux " in output and "load " in output
+    lines = (typed.root / "outputs/moe-laptop/metrics.jsonl").read_text().splitlines()
+    held_out = {r["step"]: r["eval_loss"] for r in map(json.loads, lines) if "eval_loss" in r}
+    steps = sorted(held_out)
+    assert steps == [0, 20, 40, 60]
+    assert all(held_out[a] > held_out[b] for a, b in zip(steps, steps[1:])), held_out
+    [plan] = page_commands("docs/models.md", "tunix_train.plan model=qwen3_30b_a3b")
+    printed = ok(typed.run(plan))
+    page = (typed.root / "docs/models.md").read_text()
+    [row] = [line for line in page.splitlines() if "`offload_optimizer=true` |" in line]
+    device, host = row.split("|")[3].replace("GB host", "").split(" GB + ")
+    assert f"= {device.strip()} GB on the device, {host.strip()} GB in host memory" in printed
+    assert "verdict: fits" in printed

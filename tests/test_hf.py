@@ -1,5 +1,5 @@
 """Import and export of Hugging Face checkpoints of every family, against `transformers`
-itself: tiny random Gemma 3, Llama 3 and Qwen 3 models (tests/hf_reference.py)."""
+itself: tiny random Gemma 3, Llama 3, Qwen 3 and Qwen 3 MoE models (tests/hf_reference.py)."""
 
 import json
 
@@ -94,12 +94,17 @@ def test_dimensions_come_from_config_json(family, single_device):
         assert (model.global_rope_base, model.global_rope_scale, model.rope_type,
                 model.rope_low_freq_factor, model.rope_high_freq_factor,
                 model.rope_original_context) == (500_000.0, 8.0, "llama3", 1.0, 4.0, 64)
-    else:
+    elif family == "qwen3":
         assert (model.num_layers, model.tie_embeddings, model.global_rope_base) == \
             (3, True, 1_000_000.0)
+    else:
+        assert (model.num_layers, model.tie_embeddings, model.num_experts,
+                model.experts_per_token, model.expert_hidden_dim, model.normalize_top_k,
+                model.moe_every, model.router_aux_loss_coef) == \
+            (3, False, 5, 2, 48, False, 2, 0.01)
 
 
-def test_import_onto_2x4_is_sharded_and_matches_1x1(reference, single_device, tokens):
+def test_import_onto_2x4_is_sharded_and_matches_1x1(family, reference, single_device, tokens):
     setup, params = imported(reference[0], 2, 4)
     stack = "local_layers" if "local_layers" in params else "layers"
     q = params[stack]["attention"]["q"]  # [layers, D, N, H]: D over fsdp, N over tp
@@ -107,6 +112,10 @@ def test_import_onto_2x4_is_sharded_and_matches_1x1(reference, single_device, to
     assert {s.data.shape for s in q.addressable_shards} == {(q.shape[0], 32, 1, 16)}
     embedding = params["embedder"]["embedding"]
     assert embedding.addressable_shards[0].data.size == embedding.size // 8
+    if family == "qwen3_moe":  # [layers, experts, D, F]: every expert, D over fsdp, F over tp
+        gate = params["layers"]["mlp"]["gate"]
+        assert tuple(gate.sharding.spec) == (None, None, "fsdp", "tp")
+        assert {s.data.shape for s in gate.addressable_shards} == {(1, 5, 32, 12)}
     # fp32 sums in another order: 1e-5 relative, as every mesh comparison (one logit of ~1.5
     # differed by 1.0e-5 on some x86 CPUs, just past an absolute 1e-5).
     np.testing.assert_allclose(our_logits(setup, params, tokens),
@@ -230,7 +239,7 @@ def test_llama_legacy_and_new_rope_styles_agree(tmp_path):
     ({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
      "RoPE type 'yarn' is not supported"),
     ({"model_type": "mistral"}, "describes model_type 'mistral'; the supported ones are "
-                                "gemma3_text, gemma3, llama, qwen3"),
+                                "gemma3_text, gemma3, llama, qwen3, qwen3_moe"),
 ])
 def test_an_unsupported_checkpoint_option_is_refused_by_name(tmp_path, config, message):
     with pytest.raises(ConfigError, match=message):

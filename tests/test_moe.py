@@ -1,14 +1,24 @@
 """models/moe.py against transformers' sparse MoE blocks (Qwen3-MoE with and without
 `norm_topk_prob`, Mixtral) on the same random weights, and its gradients against the dense
-computation (every expert on every token, weighted by the routing)."""
+computation (every expert on every token, weighted by the routing); the qwen3_moe family against
+transformers' Qwen3MoeForCausalLM (logits from fused-expert files, the auxiliary loss and the
+training loss it is added to), and the router's losses on a mesh against one device. The family
+also runs the shared matrices: test_hf.py (import, export, generation), test_train_step.py
+(meshes, pipeline, ZeRO, resume) and test_lora.py."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from tunix_train.models import moe
+from helpers import compose_config, family_tiny, mesh_arg, mesh_of, train_losses
+from tunix_train import cli
+from tunix_train.config import ConfigError
+from tunix_train.models import hf_weights, moe
 from tunix_train.models.layers import GATED
+from tunix_train.training.setup import Setup
+from tunix_train.training.train_step import loss_sums
 
 D, F, E, K, T = 32, 16, 8, 2, 24
 
@@ -66,7 +76,8 @@ def test_the_experts_give_transformers_output_and_auxiliary_loss(kind):
                                                              routing.experts_TxK)), aux, rtol=1e-6)
 
 
-def test_gradients_equal_the_dense_computation_of_every_expert():
+@pytest.mark.parametrize("matmul", sorted(moe.MATMULS))
+def test_gradients_equal_the_dense_computation_of_every_expert(matmul):
     """Gradients through the sort, the grouped matmuls and the scatter (as a train step takes
     them, routing weights included) equal those of computing every expert for every token and
     weighting by the routing (zero for the experts not picked)."""
@@ -76,7 +87,7 @@ def test_gradients_equal_the_dense_computation_of_every_expert():
     def sparse(x, weights):
         router, gate, up, down = weights
         routing = moe.route(x, router, K, normalize)
-        return moe.experts_mlp(x, routing, gate, up, down, GATED["silu"])
+        return moe.experts_mlp(x, routing, gate, up, down, GATED["silu"], matmul)
 
     def dense(x, weights):
         router, gate, up, down = weights
@@ -94,3 +105,126 @@ def test_gradients_equal_the_dense_computation_of_every_expert():
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(reference)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
     assert float(jnp.abs(ours[1][1]).sum()) > 0  # the experts' weights got gradients
+
+
+def test_the_tiled_matmul_does_the_rows_work_not_every_experts():
+    """As XLA compiles it: at most 1.5x the multiply-adds of each row by its own expert alone
+    (tiles of at most half an expert's mean share), forward and backward, on rows spread
+    unevenly (one expert gets none, one a third)."""
+    rows, experts, dim, width = 3072, 24, 64, 48
+    sizes = np.full(experts, rows // experts)
+    sizes[0], sizes[1] = 0, sizes[0] + rows // 3
+    sizes[2:] = (rows - sizes[1]) // (experts - 2)
+    sizes[-1] += rows - sizes.sum()
+    lhs = jnp.ones((rows, dim))
+    rhs = jnp.arange(experts, dtype=jnp.float32)[:, None, None] * jnp.ones((experts, dim, width))
+    ideal = 2 * rows * dim * width
+
+    def flops(f, *args):
+        cost = jax.jit(f).lower(*args).compile().cost_analysis()
+        return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+    grouped = lambda a, b, s: moe.tiled(rows, experts, s)(a, b)  # noqa: E731
+    sizes = jnp.asarray(sizes, jnp.int32)
+    assert ideal <= flops(grouped, lhs, rhs, sizes) <= 1.5 * ideal * 1.02
+    backward = jax.grad(lambda a, b, s: jnp.sum(grouped(a, b, s)), argnums=(0, 1))
+    assert flops(backward, lhs, rhs, sizes) <= 3 * 1.5 * ideal * 1.02
+    expected = np.concatenate([np.full((n, width), dim * e) for e, n in enumerate(
+        np.asarray(sizes))])  # each row multiplied by its own expert's weight
+    np.testing.assert_array_equal(np.asarray(jax.jit(grouped)(lhs, rhs, sizes)), expected)
+
+
+def _fused_checkpoint(path, **changes):
+    """A tiny Qwen3-MoE saved from its in-memory state dict, experts fused as transformers 5
+    holds them (its save_pretrained splits them per expert, as the Hub's files are)."""
+    import hf_reference
+    from safetensors.torch import save_file
+
+    model = hf_reference.build(path / "split", family="qwen3_moe", **changes)
+    path.mkdir(exist_ok=True)
+    model.config.save_pretrained(path)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"
+             or not model.config.tie_word_embeddings}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return model
+
+
+def _imported(path):
+    cfg = cli.compose([f"model.init_from=hf:{path}", mesh_arg(1, 1),
+                       "training.mixed_precision=fp32"])
+    setup = Setup.create(cfg, jax.devices()[:1])
+    params = hf_weights.load_init_from(cfg.model, setup.params.abstract, setup.params.shardings)
+    return cfg, nnx.merge(setup.params.graphdef, params), params
+
+
+def test_fused_experts_with_renormalised_weights_give_transformers_logits_and_losses(tmp_path):
+    """Every layer routed, norm_topk_prob on, experts read from fused tensors: logits within
+    1e-5, the load-balancing loss transformers returns with output_router_logits=True, and the
+    training loss it adds to the mean token loss (router_aux_loss_coef x that loss)."""
+    import torch
+
+    import hf_reference
+
+    theirs_model = _fused_checkpoint(tmp_path, norm_topk_prob=True, decoder_sparse_step=1)
+    cfg, ours, params = _imported(tmp_path)
+    assert (cfg.model.normalize_top_k, cfg.model.moe_every, cfg.model.num_experts) == (True, 1, 5)
+    tokens = np.random.default_rng(0).integers(0, 320, (2, 40))
+    theirs = hf_reference.logits(theirs_model, tokens)
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), theirs,
+                               atol=1e-5 * np.abs(theirs).max(), rtol=1e-5)
+    with torch.no_grad():
+        out = theirs_model(torch.as_tensor(tokens), labels=torch.as_tensor(tokens),
+                           output_router_logits=True)
+    # Ours on the same batch: targets shifted by one, the last position not counted.
+    batch = {"inputs": jnp.asarray(tokens),
+             "targets": jnp.asarray(np.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)),
+             "weights": jnp.asarray(np.arange(40) < 39, jnp.float32)[None].repeat(2, 0)}
+    weights = moe.LossWeights(aux=cfg.model.router_aux_loss_coef)
+    loss_sum, sums = loss_sums(nnx.graphdef(ours), nnx.state(ours), batch, router=weights)
+    tokens_counted = float(sums["tokens"])
+    np.testing.assert_allclose(float(sums["moe_aux_loss"]) / tokens_counted,
+                               out.aux_loss.item(), rtol=1e-5)
+    assert out.aux_loss.item() > 1  # k = 2 at perfect balance: far from a missing term's 0
+    np.testing.assert_allclose(float(loss_sum) / tokens_counted, out.loss.item(), rtol=1e-5)
+
+
+ROUTER_LOSSES = ["training.moe_aux_loss_weight=0.5", "training.router_z_loss_weight=0.1",
+                 "training.global_batch_size=8"]
+
+
+def test_the_router_losses_on_a_mesh_equal_one_device_grouped_alike():
+    """The router's losses are a batch's: each device's micro-batch's (as transformers computes
+    them per forward pass). fsdp 4 x tp 2 with 1 row per device and 2 accumulation steps groups
+    the rows as one device does with 1 row and 8 steps: the same losses (1e-5), which the
+    router's losses change (against them off)."""
+    one = compose_config(*family_tiny("qwen3_moe", mesh_arg(1, 1), *ROUTER_LOSSES,
+                                      "training.gradient_accumulation_steps=8"))
+    mesh = compose_config(*family_tiny("qwen3_moe", mesh_arg(4, 2), *ROUTER_LOSSES,
+                                       "training.gradient_accumulation_steps=2"))
+    off = compose_config(*family_tiny("qwen3_moe", mesh_arg(1, 1), *ROUTER_LOSSES,
+                                      "training.gradient_accumulation_steps=8",
+                                      "training.moe_aux_loss_weight=0",
+                                      "training.router_z_loss_weight=0"))
+    reference, _ = train_losses(one, 3, jax.devices()[:1])
+    losses, _ = train_losses(mesh, 3, jax.devices()[:8])
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)
+    without, _ = train_losses(off, 3, jax.devices()[:1])
+    assert np.all(reference - without > 0.5)  # the weighted aux loss alone is about 0.5 x 2
+
+
+def test_router_losses_on_a_pipeline_are_refused_by_name():
+    cfg = compose_config(*family_tiny("qwen3_moe", mesh_of([[2, 2, 2], ["pp", "fsdp", "tp"]]),
+                                      "training.moe_aux_loss_weight=0.01"))
+    with pytest.raises(ConfigError, match=r"training.moe_aux_loss_weight=0.01 and "
+                                          r"training.router_z_loss_weight=0.0: the pipeline"):
+        Setup.create(cfg, jax.devices()[:8])
+
+
+def test_expert_lora_targets_are_refused_by_name():
+    from tunix_train import validation
+
+    cfg = cli.compose(["model=qwen3_moe_tiny", "lora.rank=4", "lora.targets=[q,gate]"])
+    with pytest.raises(ConfigError, match=r"lora.targets=\['q', 'gate'\]: qwen3_moe_tiny is a "
+                                          r"mixture of experts"):
+        validation.validate(cfg)

@@ -25,7 +25,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     name: str = "gemma3_tiny"
-    family: str = "gemma3"  # gemma3 | llama3 | qwen3: the architecture (docs/models.md)
+    family: str = "gemma3"  # gemma3 | llama3 | qwen3 | qwen3_moe: the architecture (docs/models.md)
     num_layers: int = 6
     embed_dim: int = 128  # d_model
     hidden_dim: int = 512  # gated MLP width
@@ -45,6 +45,16 @@ class ModelConfig:
     rope_original_context: int = 8192  # llama3 scaling only: the pre-training context
     query_pre_attn_scalar: Optional[float] = None  # softmax scale is its -1/2 power; None = head_dim
     rms_norm_eps: float = 1e-6
+    # Mixture of experts (qwen3_moe): a routed layer's MLP is num_experts gated MLPs of
+    # expert_hidden_dim, each token through its experts_per_token best (docs/models.md).
+    num_experts: int = 0  # 0 = every layer's MLP is dense (hidden_dim)
+    experts_per_token: int = 2  # top-k
+    expert_hidden_dim: int = 0  # each expert's MLP width (HF moe_intermediate_size)
+    normalize_top_k: bool = True  # the k routing weights rescaled to sum to 1 (norm_topk_prob)
+    moe_every: int = 1  # layers n-1, 2n-1, … are routed, the others dense (decoder_sparse_step)
+    router_aux_loss_coef: float = 0.001  # the load-balancing loss's weight (HF config's)
+    moe_matmul: str = "tiles"  # tiles (padded per expert, ~1.5x the work) | ragged_dot
+    # (jax.lax.ragged_dot: XLA's CPU and GPU compilers multiply every row by every expert)
     attention_impl: str = "auto"  # auto (cudnn on GPUs where it applies, else blockwise) | blockwise | cudnn | pallas | xla
     cp_exchange: str = "all_gather"  # how keys and values cross the cp axis: all_gather | ring
     unroll_layers: bool = False  # unroll the scans over layers: faster steps on CPU (1.4x on
@@ -129,6 +139,9 @@ class TrainingConfig:
     offload_optimizer: bool = False  # Adam's moments in pinned host memory, streamed to the update
     pipeline_microbatches: Optional[int] = None  # per micro-step, with a pp axis; None: bubble <= 25%
     pipeline_repeats: int = 1  # layer chunks per pp stage, visited in turn (circular); 1 = GPipe
+    moe_aux_loss_weight: Optional[float] = None  # load-balancing loss; None = the model's
+    # router_aux_loss_coef (its Hugging Face config's); 0 = off
+    router_z_loss_weight: float = 0.0  # ST-MoE's router z-loss (mean squared logsumexp)
 
 
 DEFAULT_MICRO_BATCH_SIZE = 8  # training.micro_batch_size when neither batch key is set

@@ -121,6 +121,7 @@ def _record(setup, costs, compile_s: float) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
+    from tunix_train.models import families
     from tunix_train.parallel import stages
 
     cfg, per_device = setup.cfg, costs.per_device_bytes
@@ -134,6 +135,7 @@ def _record(setup, costs, compile_s: float) -> dict[str, Any]:
             setup.params.base_abstract() if cfg.lora.on else setup.params.abstract)),
         "lora_params": (sum(x.size for x in jax.tree.leaves(setup.params.abstract))
                         if cfg.lora.on else 0),
+        "active_params": families.active_params(cfg.model),  # per token (mixture of experts)
         "lora": setup.lora_line() if cfg.lora.on else None,
         "zero_stage": cfg.training.zero_stage,
         "compute_dtype": jnp.dtype(setup.options.compute_dtype).name,
@@ -197,7 +199,10 @@ def _summary(record: dict[str, Any], costs) -> list[str]:
 
     mesh = " × ".join(f"{k}={v}" for k, v in record["mesh"].items())
     return [
-        f"plan: {record['model']} ({record['num_params']:,} parameters) on {mesh}, zero_stage "
+        f"plan: {record['model']} ({record['num_params']:,} parameters"
+        + (f", {record['active_params']:,} active per token"
+           if record["active_params"] != record["num_params"] else "")
+        + f") on {mesh}, zero_stage "
         f"{record['zero_stage']}, compute {record['compute_dtype']}, "
         f"{record['tokens_per_step']:,} tokens per step (compiled in "
         f"{record['compile_seconds']} s)",

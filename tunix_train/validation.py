@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from tunix_train.config import (LORA_TARGETS, CheckpointConfig, Config, ConfigError, DataConfig,
-                                LoggingConfig, LoraConfig)
+                                LoggingConfig, LoraConfig, ModelConfig)
 
 @dataclass(frozen=True)
 class _Range:
@@ -47,8 +47,9 @@ _CHOICES = {
     ("training", "grad_reduce_dtype"): ("auto", "fp32"),
     ("model", "attention_impl"): ("auto", "blockwise", "cudnn", "pallas", "xla"),
     ("model", "cp_exchange"): ("all_gather", "ring"),
-    ("model", "family"): ("gemma3", "llama3", "qwen3"),
+    ("model", "family"): ("gemma3", "llama3", "qwen3", "qwen3_moe"),
     ("model", "rope_type"): ("linear", "llama3"),
+    ("model", "moe_matmul"): ("tiles", "ragged_dot"),
     ("logging", "progress"): ("auto", "always", "never"),
     ("data", "packing"): ("concat", "first_fit"),
     ("data", "dtype"): ("uint16", "uint32"),
@@ -73,6 +74,10 @@ _RANGES = {
     ("model", "query_pre_attn_scalar"): _POSITIVE, ("model", "rms_norm_eps"): _POSITIVE,
     ("model", "rope_low_freq_factor"): _POSITIVE, ("model", "rope_high_freq_factor"): _POSITIVE,
     ("model", "rope_original_context"): _COUNT,
+    ("model", "num_experts"): _NATURAL, ("model", "experts_per_token"): _COUNT,
+    ("model", "expert_hidden_dim"): _NATURAL, ("model", "moe_every"): _COUNT,
+    ("model", "router_aux_loss_coef"): _NATURAL,
+    ("training", "moe_aux_loss_weight"): _NATURAL, ("training", "router_z_loss_weight"): _NATURAL,
     ("data", "seq_len"): _COUNT, ("data", "max_corpus_bytes"): _COUNT,
     ("data", "validation_fraction"): _Range(0, 1, low_open=True, high_open=True),
     ("data", "eval_batches"): _COUNT, ("data", "prefetch"): _NATURAL,
@@ -145,7 +150,7 @@ def validate(cfg: Config) -> None:
     _validate_checkpoint(cfg.checkpoint)
     _validate_context(cfg)
     _validate_trainer(cfg)
-    _validate_lora(cfg.lora)
+    _validate_lora(cfg.lora, cfg.model)
     _validate_trackers(cfg.logging)
 
 
@@ -219,11 +224,16 @@ def _validate_grpo(cfg: Config) -> None:
                           f"meaning with trainer=grpo (rewards are logged every step); set it to 0.")
 
 
-def _validate_lora(lora: LoraConfig) -> None:
+def _validate_lora(lora: LoraConfig, model: ModelConfig) -> None:
     unknown = [t for t in lora.targets if t not in (*LORA_TARGETS, "all")]
     if unknown or not lora.targets:
         raise ConfigError(f"lora.targets={list(lora.targets)} names {unknown or 'nothing'}; use "
                           f"projections of {', '.join(LORA_TARGETS)}, or all.")
+    mlp = [t for t in lora.targets if t in ("gate", "up", "down")]
+    if lora.on and model.num_experts and mlp:
+        raise ConfigError(f"lora.targets={list(lora.targets)}: {model.name} is a mixture of "
+                          f"experts, whose MLPs take no LoRA adapters yet; use "
+                          f"lora.targets=[q,k,v,o] (what lora.targets=[all] adapts on it).")
     if lora.base_quantization != "none" and not lora.on:
         raise ConfigError(f"lora.base_quantization={lora.base_quantization} quantizes the frozen "
                           f"base of LoRA, which is off (lora.rank=0); set lora.rank, e.g. 16.")

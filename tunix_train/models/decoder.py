@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tunix_train.config import LoraConfig, ModelConfig
-from tunix_train.models import kv_cache, layers, lora, rope
+from tunix_train.models import kv_cache, layers, lora, moe, rope
 from tunix_train.models.attention import Attention
 from tunix_train.models.family import Architecture, Family
 from tunix_train.models.head import VocabChunks
@@ -70,23 +70,53 @@ class MLP(nnx.Module):
         return adapted(self, "down", h_BxLxF)
 
 
+class Experts(nnx.Module):
+    """A routed layer's MLP (models/moe.py): a router [D, E] picks each token's top-k of E
+    gated MLPs, stored stacked [E, …] on the logical axis `experts`; no LoRA adapters."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, activation: str):
+        D, F, E = cfg.embed_dim, cfg.expert_hidden_dim, cfg.num_experts
+        self.router = param(scaled_normal(rngs, (D, E), D), "embed", "experts")
+        self.gate = param(scaled_normal(rngs, (E, D, F), D), "experts", "embed", "expert_mlp")
+        self.up = param(scaled_normal(rngs, (E, D, F), D), "experts", "embed", "expert_mlp")
+        self.down = param(scaled_normal(rngs, (E, F, D), F), "experts", "expert_mlp", "embed")
+        self.gated = GATED[activation]
+        self.top_k, self.normalize = cfg.experts_per_token, cfg.normalize_top_k
+        self.matmul = cfg.moe_matmul
+
+    def __call__(self, x_BxLxD: jax.Array) -> tuple[jax.Array, moe.Statistics]:
+        B, L, D = x_BxLxD.shape
+        x_TxD = x_BxLxD.reshape(B * L, D)
+        routing = moe.route(x_TxD, self.router[...], self.top_k, self.normalize)
+        y_TxD = moe.experts_mlp(x_TxD, routing, self.gate[...], self.up[...], self.down[...],
+                                self.gated, self.matmul)
+        return y_TxD.reshape(B, L, D), moe.statistics(routing)
+
+
 class DecoderLayer(nnx.Module):
     """Pre-norm attention and MLP blocks with residual adds; with the family's post-norms (Gemma
-    2 and 3), each block's output is normalised again before the add."""
+    2 and 3), each block's output is normalised again before the add. A routed layer's MLP is
+    `Experts`, and the layer returns its router statistics beside its output (None otherwise)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, arch: Architecture,
-                 lora_cfg: LoraConfig = LoraConfig()):
+                 lora_cfg: LoraConfig = LoraConfig(), routed: bool = False):
         eps, offset = cfg.rms_norm_eps, arch.norm_offset
         self.pre_attention_norm = RMSNorm(cfg.embed_dim, eps, offset)
         self.attention = Attention(cfg, rngs, arch, lora_cfg)
         self.pre_mlp_norm = RMSNorm(cfg.embed_dim, eps, offset)
-        self.mlp = MLP(cfg, rngs, arch.activation, lora_cfg)
+        # A mixture of experts' dense layers take no adapters either: PEFT (0.18) gives a
+        # Qwen3-MoE's dense MLPs none, so an adapter there would not export.
+        self.mlp = (Experts(cfg, rngs, arch.activation) if routed
+                    else MLP(cfg, rngs, arch.activation,
+                             LoraConfig() if cfg.num_experts else lora_cfg))
+        self.routed = routed
         if arch.post_norms:
             self.post_attention_norm = RMSNorm(cfg.embed_dim, eps, offset)
             self.post_mlp_norm = RMSNorm(cfg.embed_dim, eps, offset)
         self.post_norms = arch.post_norms
 
-    def __call__(self, x_BxLxD, cos_sin, segment_ids_BxL, window: int | None) -> jax.Array:
+    def __call__(self, x_BxLxD, cos_sin, segment_ids_BxL, window: int | None
+                 ) -> tuple[jax.Array, moe.Statistics | None]:
         attn = self.attention(self.pre_attention_norm(x_BxLxD), cos_sin, segment_ids_BxL, window)
         return self._mlp_block(x_BxLxD + self._post(attn, "post_attention_norm"))
 
@@ -94,22 +124,25 @@ class DecoderLayer(nnx.Module):
                window: int | None) -> tuple[jax.Array, dict]:
         attn, written = self.attention.decode(self.pre_attention_norm(x_BxTxD), cos_sin,
                                               positions_BxT, cache, window)
-        return self._mlp_block(x_BxTxD + self._post(attn, "post_attention_norm")), written
+        return self._mlp_block(x_BxTxD + self._post(attn, "post_attention_norm"))[0], written
 
-    def _mlp_block(self, x_BxLxD: jax.Array) -> jax.Array:
-        x_BxLxD = x_BxLxD + self._post(self.mlp(self.pre_mlp_norm(x_BxLxD)), "post_mlp_norm")
-        return constrain(x_BxLxD, ("act_batch", "act_seq", "act_embed"))
+    def _mlp_block(self, x_BxLxD: jax.Array) -> tuple[jax.Array, moe.Statistics | None]:
+        y_BxLxD, stats = self.mlp(self.pre_mlp_norm(x_BxLxD)), None
+        if self.routed:
+            y_BxLxD, stats = y_BxLxD
+        x_BxLxD = x_BxLxD + self._post(y_BxLxD, "post_mlp_norm")
+        return constrain(x_BxLxD, ("act_batch", "act_seq", "act_embed")), stats
 
     def _post(self, y_BxLxD: jax.Array, norm: str) -> jax.Array:
         return getattr(self, norm)(y_BxLxD) if self.post_norms else y_BxLxD
 
 
 def _stacked_layers(cfg: ModelConfig, arch: Architecture, lora_cfg: LoraConfig, count: int,
-                    rngs: nnx.Rngs, axis: str) -> DecoderLayer:
+                    rngs: nnx.Rngs, axis: str, routed: bool) -> DecoderLayer:
     @nnx.split_rngs(splits=count)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
     def make(layer_rngs: nnx.Rngs) -> DecoderLayer:
-        return DecoderLayer(cfg, layer_rngs, arch, lora_cfg)
+        return DecoderLayer(cfg, layer_rngs, arch, lora_cfg, routed)
 
     return make(rngs)
 
@@ -128,7 +161,8 @@ class Decoder(nnx.Module):
         self.embedder = Embedder(cfg, rngs, arch.embed_scale)
         for stack in self.layout.stacks:
             setattr(self, stack, _stacked_layers(cfg, arch, lora_cfg, self.layout.count(stack),
-                                                 rngs, self.layout.axis(stack)))
+                                                 rngs, self.layout.axis(stack),
+                                                 stack in self.layout.routed))
         self.final_norm = RMSNorm(cfg.embed_dim, cfg.rms_norm_eps, arch.norm_offset)
         if not cfg.tie_embeddings:
             self.head = Unembedding(cfg, rngs)
@@ -149,19 +183,34 @@ class Decoder(nnx.Module):
         """Next-token cross-entropy [B, L] in fp32, the vocabulary a chunk at a time: minus the
         targets' log-probabilities under softmax(logits / temperature) (the head is linear, so
         dividing its input divides the logits)."""
-        hidden_BxLxD = self.hidden(tokens_BxL, positions_BxL, segment_ids_BxL)
+        return self.losses(tokens_BxL, targets_BxL, positions_BxL, segment_ids_BxL,
+                           vocab_chunks, temperature)[0]
+
+    def losses(self, tokens_BxL: jax.Array, targets_BxL: jax.Array,
+               positions_BxL: jax.Array | None = None, segment_ids_BxL: jax.Array | None = None,
+               vocab_chunks: VocabChunks = VocabChunks(), temperature: float = 1.0
+               ) -> tuple[jax.Array, moe.Statistics | None]:
+        """`token_losses`, and the routed layers' router statistics summed over them (None when
+        no layer routes), from which the training loss adds the router's losses (models/moe.py)."""
+        hidden_BxLxD, stats = self._hidden(tokens_BxL, positions_BxL, segment_ids_BxL)
         if temperature != 1.0:
             hidden_BxLxD = hidden_BxLxD / jnp.asarray(temperature, hidden_BxLxD.dtype)
-        return self.head_losses(hidden_BxLxD, targets_BxL, vocab_chunks)
+        return self.head_losses(hidden_BxLxD, targets_BxL, vocab_chunks), stats
 
     def hidden(self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None,
                segment_ids_BxL: jax.Array | None = None) -> jax.Array:
         """The final normalised hidden states [B, L, D], the output head's input."""
+        return self._hidden(tokens_BxL, positions_BxL, segment_ids_BxL)[0]
+
+    def _hidden(self, tokens_BxL, positions_BxL, segment_ids_BxL):
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(tokens_BxL.shape[1]), tokens_BxL.shape)
         ropes = self.rope(positions_BxL)
-        x_BxLxD = self.blocks(self.embed(tokens_BxL), ropes, segment_ids_BxL)
-        return self.tail(x_BxLxD, ropes, segment_ids_BxL)
+        steps = self._scan_steps(ropes, segment_ids_BxL, self.layout.block_stacks)
+        x_BxLxD, ys = self._run_blocks(self.embed(tokens_BxL), steps,
+                                       self._layer_xs(self.layout.block_stacks))
+        x_BxLxD, tail_ys = self._tail(x_BxLxD, ropes, segment_ids_BxL)
+        return x_BxLxD, moe.total([*ys.values(), *tail_ys])
 
     # The pieces, in order: rope → embed → blocks → tail → head_losses (or logits).
 
@@ -185,12 +234,16 @@ class Decoder(nnx.Module):
     def tail(self, x_BxLxD: jax.Array, ropes: dict[str, rope.CosSin],
              segment_ids_BxL: jax.Array | None) -> jax.Array:
         """The trailing layers and the final norm."""
-        stacks = self.layout.trailing_stacks
+        return self._tail(x_BxLxD, ropes, segment_ids_BxL)[0]
+
+    def _tail(self, x_BxLxD, ropes, segment_ids_BxL) -> tuple[jax.Array, list]:
+        stacks, ys = self.layout.trailing_stacks, []
         steps, xs = self._scan_steps(ropes, segment_ids_BxL, stacks), self._layer_xs(stacks)
         for stack in stacks:
-            x_BxLxD, _ = jax.lax.scan(steps[stack], x_BxLxD, xs[stack],
+            x_BxLxD, y = jax.lax.scan(steps[stack], x_BxLxD, xs[stack],
                                       unroll=self.cfg.unroll_layers)
-        return _materialized(self.final_norm)(x_BxLxD)
+            ys.append(y)
+        return _materialized(self.final_norm)(x_BxLxD), ys
 
     def head_losses(self, hidden_BxLxD: jax.Array, targets_BxL: jax.Array,
                     vocab_chunks: VocabChunks = VocabChunks()) -> jax.Array:
@@ -287,7 +340,7 @@ class Decoder(nnx.Module):
             with lora.folded_in(salt), lora.folded_in(index) if numbered else \
                     contextlib.nullcontext():
                 layer = nnx.merge(graphdef, materialize(layer_state))
-                return layer(x_BxLxD, cos_sin, segment_ids_BxL, window), None
+                return layer(x_BxLxD, cos_sin, segment_ids_BxL, window)  # (x, router stats)
 
         # prevent_cse=False: the scan already keeps iterations apart.
         return jax.checkpoint(step, policy=REMAT_POLICIES[self.remat], prevent_cse=False)

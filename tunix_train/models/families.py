@@ -8,11 +8,12 @@ import jax
 from flax import nnx
 
 from tunix_train.config import ConfigError, LoraConfig, ModelConfig
-from tunix_train.models import gemma3, llama3, qwen3
+from tunix_train.models import gemma3, llama3, qwen3, qwen3_moe
 from tunix_train.models.decoder import Decoder
 from tunix_train.models.family import Family, StackLayout
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (gemma3.FAMILY, llama3.FAMILY, qwen3.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (gemma3.FAMILY, llama3.FAMILY, qwen3.FAMILY,
+                                                    qwen3_moe.FAMILY)}
 
 
 def of(model: ModelConfig) -> Family:
@@ -50,3 +51,12 @@ def count_params(model: ModelConfig) -> int:
 def embedding_size(model: ModelConfig) -> int:
     """Parameters of the input embedding alone (a lookup: no FLOPs when the head is its own)."""
     return model.vocab_size * model.embed_dim
+
+
+def active_params(model: ModelConfig) -> int:
+    """Parameters a token's forward pass multiplies by: all of them, less in each routed layer
+    the experts it does not go to (E - k of E), as MFU and a mixture's "A3B" count them."""
+    layout = of(model).layout(model)
+    routed = sum(layout.count(stack) for stack in layout.routed)
+    idle = model.num_experts - model.experts_per_token
+    return count_params(model) - routed * idle * 3 * model.embed_dim * model.expert_hidden_dim

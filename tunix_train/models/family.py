@@ -8,7 +8,9 @@ and the output head. A block is a fixed sequence of layers, each taken from a *s
 layers of one kind (same attention window and RoPE), stored stacked on a leading axis and run by
 a scan. Gemma 3's block is five local (sliding-window) layers from the stack `local_layers` and
 one global layer from `global_layers`, and the local layers left after the last whole block form
-the stack `trailing_layers`; a Llama or Qwen block is one layer of the stack `layers`. Pipeline
+the stack `trailing_layers`; a Llama or Qwen block is one layer of the stack `layers`; a
+mixture-of-experts model keeps its routed layers (`StackLayout.routed`) in stacks of their own,
+apart from its dense ones, so each stack's layers stay alike. Pipeline
 stages are cut from whole blocks (parallel/stages.py), FSDP gathers one layer of a stack at a
 time (parallel/collectives.py), and the KV cache holds one entry per stack (models/kv_cache.py).
 
@@ -46,6 +48,7 @@ class StackLayout:
     num_blocks: int
     trailing: tuple[Segment, ...] = ()  # after the last block, in order
     windows: tuple[tuple[str, int], ...] = ()  # (stack, sliding window); others: full causal
+    routed: tuple[str, ...] = ()  # stacks whose MLP is routed experts (models/moe.py)
 
     def window(self, stack: str) -> int | None:
         """Tokens a layer of `stack` attends to, itself included; None: all before it."""
@@ -131,9 +134,10 @@ class HfTensor:
     `top` says it sits at the top, like an untied `lm_head.weight`) and how it maps onto ours
     (hf_layouts.Layout)."""
 
-    name: str
+    name: str  # "{j}" in it: one tensor per expert j, the rows of our leaf's expert axis
     layout: Layout
     top: bool = False
+    half: int | None = None  # of a fused tensor (gate_up_proj): which half of its axis 1
 
 
 class Family:
@@ -177,6 +181,15 @@ class Family:
     def hf_per_layer(self, model: ModelConfig) -> dict[tuple, HfTensor]:
         """Our leaf path inside a layer → HF tensor name after `layers.<i>.`."""
         raise NotImplementedError
+
+    def hf_layer(self, model: ModelConfig, stack: str, fused: bool) -> dict[tuple, HfTensor]:
+        """`hf_per_layer` for a layer of `stack`; `fused`: the checkpoint holds each layer's
+        experts in one tensor per projection, not one per expert (`hf_fused`)."""
+        return self.hf_per_layer(model)
+
+    def hf_fused(self, names) -> bool:
+        """Whether a checkpoint with these tensor names stores its experts fused."""
+        return False
 
     default_token_ids: dict[str, int] = {}
 

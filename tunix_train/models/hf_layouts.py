@@ -24,6 +24,7 @@ MATRIX = Layout((0, 1), ((0,), (1,)))
 TRANSPOSE = Layout((1, 0), ((0,), (1,)))
 HEADS_OUT = Layout((2, 0, 1), ((0, 1), (2,)))  # HF [N*H, D] → ours [D, N, H]
 HEADS_IN = Layout((1, 2, 0), ((0,), (1, 2)))  # HF [D, N*H] → ours [N, H, D]
+EXPERTS_TRANSPOSE = Layout((0, 2, 1), ((0,), (1,), (2,)))  # HF [E, out, in] → ours [E, in, out]
 
 
 def _view(layout: Layout, shape: tuple[int, ...]) -> list[int]:

@@ -15,11 +15,12 @@ is which entry).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import math
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import jax
 import numpy as np
@@ -31,15 +32,32 @@ from tunix_train.models.hf_layouts import Layout, hf_shape, read_box, to_hf
 log = logging.getLogger("tunix_train")
 
 
-def hf_tensors(model: ModelConfig, prefix: str = "model.") -> Iterator[tuple[str, tuple, Layout, int | None]]:
-    """(HF name, our leaf path, layout, index in our layer stack or None), in HF's order."""
+class Entry(NamedTuple):
+    """One HF tensor and where it goes in our tree."""
+
+    name: str
+    leaf: tuple  # our leaf path
+    layout: Layout
+    index: tuple[int, ...]  # which slice of our leaf's leading axes: () all of it, (row,) a
+    # layer of a stack, (row, expert) one expert of a routed layer
+    half: int | None = None  # of a fused HF tensor: which half of its axis 1 (HfTensor.half)
+
+
+def hf_tensors(model: ModelConfig, prefix: str = "model.", fused: bool = False
+               ) -> Iterator[Entry]:
+    """Every HF tensor of `model`, in HF's order; `fused`: experts as transformers 5 saves them
+    (one tensor per projection), else as the Hub's files hold them (one per expert)."""
     family = families.of(model)
     for path, tensor in family.hf_top_level(model).items():
-        yield ("" if tensor.top else prefix) + tensor.name, path, tensor.layout, None
-    per_layer = family.hf_per_layer(model)
-    for layer, (stack, index) in enumerate(families.layout(model).placement()):
-        for path, tensor in per_layer.items():
-            yield f"{prefix}layers.{layer}.{tensor.name}", (stack, *path), tensor.layout, index
+        yield Entry(("" if tensor.top else prefix) + tensor.name, path, tensor.layout, ())
+    for layer, (stack, row) in enumerate(families.layout(model).placement()):
+        for path, tensor in family.hf_layer(model, stack, fused).items():
+            name = f"{prefix}layers.{layer}.{tensor.name}"
+            if "{j}" in tensor.name:
+                for j in range(model.num_experts):
+                    yield Entry(name.format(j=j), (stack, *path), tensor.layout, (row, j))
+            else:
+                yield Entry(name, (stack, *path), tensor.layout, (row,), tensor.half)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,16 +83,37 @@ class CheckpointFiles:
         # "model." (…ForCausalLM) or "language_model.model." (multimodal Gemma 3 from 4B).
         self.prefix = embed[0][: -len("embed_tokens.weight")]
 
-    def tensor(self, name: str, expected_shape: tuple[int, ...]):
+    @property
+    def names(self):
+        return self._where.keys()
+
+    def tensor(self, name: str, expected_shape: tuple[int, ...], half: int | None = None):
+        """A lazy slice of tensor `name`; with `half`, of that half of its axis 1 (which is
+        twice `expected_shape`'s)."""
         if name not in self._where:
             raise ConfigError(f"model.init_from: the checkpoint has no tensor {name!r}.")
         tensor = self._where[name].get_slice(name)
-        if tuple(tensor.get_shape()) != expected_shape:
+        stored = list(expected_shape)
+        if half is not None:
+            stored[1] *= 2
+        if tuple(tensor.get_shape()) != tuple(stored):
             raise ConfigError(
                 f"model.init_from: tensor {name} has shape {tuple(tensor.get_shape())}, expected "
-                f"{expected_shape} from config.json."
+                f"{tuple(stored)} from config.json."
             )
-        return tensor
+        return tensor if half is None else _Half(tensor, half * expected_shape[1])
+
+
+class _Half:
+    """Rows [offset, offset + n) of a lazily read tensor's axis 1, read like the tensor."""
+
+    def __init__(self, tensor, offset: int):
+        self.tensor, self.offset = tensor, offset
+
+    def __getitem__(self, index: tuple[slice, ...]):
+        rows = index[1]
+        return self.tensor[(index[0], slice(rows.start + self.offset, rows.stop + self.offset),
+                            *index[2:])]
 
 
 def load_init_from(model: ModelConfig, abstract_params: Any, shardings: Any) -> Any:
@@ -90,9 +129,10 @@ def read_params(path: Path, model: ModelConfig, abstract_params: Any, shardings:
     """Parameters read from the checkpoint at `path`, each created directly in its sharding."""
     with contextlib.ExitStack() as stack:
         files = CheckpointFiles(path, stack)
-        sources: dict[tuple, list] = {}
-        for name, leaf, layout, index in hf_tensors(model, prefix=files.prefix):
-            sources.setdefault(leaf, []).append((name, layout, index))
+        fused = families.of(model).hf_fused(files.names)
+        sources: dict[tuple, list[Entry]] = {}
+        for entry in hf_tensors(model, prefix=files.prefix, fused=fused):
+            sources.setdefault(entry.leaf, []).append(entry)
         flat = {}
         for leaf_path, abstract in _flatten(abstract_params).items():
             sharding = _get(shardings, leaf_path)
@@ -100,21 +140,20 @@ def read_params(path: Path, model: ModelConfig, abstract_params: Any, shardings:
     return _unflatten(flat)
 
 
-def _load_leaf(files: CheckpointFiles, sources: list, abstract, sharding) -> jax.Array:
-    stacked = sources[0][2] is not None
-    by_index = {index: (name, layout) for name, layout, index in sources}
-    shape = tuple(abstract.shape[1:] if stacked else abstract.shape)
+def _load_leaf(files: CheckpointFiles, sources: list[Entry], abstract, sharding) -> jax.Array:
+    lead = len(sources[0].index)  # our leading axes that pick HF tensors (layers, experts)
+    by_index = {entry.index: entry for entry in sources}
+    shape = tuple(abstract.shape[lead:])
     dtype = abstract.dtype
 
-    def read(name: str, layout: Layout, box: tuple[slice, ...]) -> np.ndarray:
-        tensor = files.tensor(name, hf_shape(layout, shape))
-        return read_box(tensor, layout, shape, box).astype(dtype)
+    def read(entry: Entry, box: tuple[slice, ...]) -> np.ndarray:
+        tensor = files.tensor(entry.name, hf_shape(entry.layout, shape), entry.half)
+        return read_box(tensor, entry.layout, shape, box).astype(dtype)
 
     def callback(index: tuple[slice, ...]) -> np.ndarray:
-        if not stacked:
-            return read(*by_index[None], index)
-        layers = range(*index[0].indices(abstract.shape[0]))
-        return np.stack([read(*by_index[i], index[1:]) for i in layers])
+        picked = [range(*index[a].indices(abstract.shape[a])) for a in range(lead)]
+        blocks = [read(by_index[i], index[lead:]) for i in itertools.product(*picked)]
+        return np.stack(blocks).reshape(*map(len, picked), *blocks[0].shape)
 
     return jax.make_array_from_callback(abstract.shape, sharding, callback)
 
@@ -163,10 +202,9 @@ def save(params: Any, model: ModelConfig, out: Path, dtype: np.dtype, max_shard_
     weight_map = {}
     for file_name, tensors in zip(names, plan):
         shard = {}
-        for name, leaf, layout, index in tensors:
-            value = _get(params, leaf)
-            value = value if index is None else value[index]
-            shard[name] = np.ascontiguousarray(to_hf(layout, np.asarray(value)).astype(dtype))
+        for name, leaf, layout, index, _ in tensors:
+            value = np.asarray(_get(params, leaf))[index]
+            shard[name] = np.ascontiguousarray(to_hf(layout, value).astype(dtype))
             weight_map[name] = file_name
         save_file(shard, str(out / file_name), metadata={"format": "pt"})
     if len(plan) > 1:
@@ -176,10 +214,8 @@ def save(params: Any, model: ModelConfig, out: Path, dtype: np.dtype, max_shard_
     return [out / n for n in names]
 
 
-def _nbytes(params: Any, entry: tuple, itemsize: int) -> int:
-    _, leaf, _, index = entry
-    shape = _get(params, leaf).shape
-    return math.prod(shape[1:] if index is not None else shape) * itemsize
+def _nbytes(params: Any, entry: Entry, itemsize: int) -> int:
+    return math.prod(_get(params, entry.leaf).shape[len(entry.index):]) * itemsize
 
 
 def _shard_plan(model: ModelConfig, params: Any, itemsize: int, max_bytes: int) -> list[list]:
@@ -209,12 +245,12 @@ def save_adapter(adapters: Any, model: ModelConfig, lora: LoraConfig, out: Path,
     from tunix_train.models.layers import LORA_SUFFIX
 
     tensors, modules = {}, set()
-    for name, leaf, layout, index in hf_tensors(model):
+    for name, leaf, layout, index, _ in hf_tensors(model):
         try:
             adapter = _get(adapters, (*leaf[:-1], leaf[-1] + LORA_SUFFIX))
         except (KeyError, TypeError):
             continue
-        a, b = (np.asarray(adapter[k] if index is None else adapter[k][index]) for k in "ab")
+        a, b = (np.asarray(adapter[k])[index] for k in "ab")
         lora_a, lora_b = factors_to_hf(layout, a, b)
         module = name.removesuffix(".weight")
         tensors[f"{ADAPTER_PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(

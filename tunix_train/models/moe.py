@@ -6,15 +6,19 @@ transformers' implementations).
     route(x_TxD, router_DxE, top_k, normalize)      → Routing (weights, experts, probs)
     experts_mlp(x_TxD, routing, gate, up, down, gated) → y_TxD
     load_balancing_loss(probs_TxE, experts_TxK)      → Switch Transformer's auxiliary loss
+    statistics(routing) → Statistics: a layer's sums, added over layers (and stacks) by the
+                          decoder, turned into the losses and metrics by `losses`/`metrics`
 
 Dropless by sorting: the T·k (token, expert) assignments are sorted by expert, so each
-expert's rows are contiguous; `jax.lax.ragged_dot` multiplies each group of rows by its own
-expert's weight, and the rows go back to their tokens, weighted, by a scatter-add. Nothing is
-padded to a capacity and no token is dropped; the work is the k experts' per token, not E's.
+expert's rows are contiguous; a grouped matmul multiplies each group of rows by its own
+expert's weight (`tiled` by default, `jax.lax.ragged_dot` on request), and the rows go back to
+their tokens, weighted, by a scatter-add. No token is dropped; the work is about the k experts'
+per token, not E's.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,6 +31,7 @@ class Routing:
     weights_TxK: jax.Array  # each token's top-k routing weights, in the input's dtype
     experts_TxK: jax.Array  # their experts, int32
     probs_TxE: jax.Array  # the router's softmax over all experts, fp32 (the auxiliary loss's)
+    logsumexp_T: jax.Array  # of the router's logits, fp32 (the z-loss's)
 
 
 def route(x_TxD: jax.Array, router_DxE: jax.Array, top_k: int, normalize: bool) -> Routing:
@@ -37,14 +42,15 @@ def route(x_TxD: jax.Array, router_DxE: jax.Array, top_k: int, normalize: bool) 
     weights_TxK, experts_TxK = jax.lax.top_k(probs_TxE, top_k)
     if normalize:
         weights_TxK = weights_TxK / jnp.sum(weights_TxK, axis=-1, keepdims=True)
-    return Routing(weights_TxK.astype(x_TxD.dtype), experts_TxK.astype(jnp.int32), probs_TxE)
+    return Routing(weights_TxK.astype(x_TxD.dtype), experts_TxK.astype(jnp.int32), probs_TxE,
+                   jax.nn.logsumexp(logits_TxE, axis=-1))
 
 
 def experts_mlp(x_TxD: jax.Array, routing: Routing, gate_ExDxF: jax.Array, up_ExDxF: jax.Array,
-                down_ExFxD: jax.Array, gated: Callable[[jax.Array, jax.Array], jax.Array]
-                ) -> jax.Array:
+                down_ExFxD: jax.Array, gated: Callable[[jax.Array, jax.Array], jax.Array],
+                matmul: str = "tiles") -> jax.Array:
     """Σ over each token's k experts of weight · down(gated(gate(x), up(x))), each expert's
-    projections applied to its own tokens only."""
+    projections applied to its own tokens only (`matmul`: how, `MATMULS`)."""
     T, k = routing.experts_TxK.shape
     num_experts = gate_ExDxF.shape[0]
     expert_of_A = routing.experts_TxK.reshape(T * k)  # A = T·k assignments, token-major
@@ -53,13 +59,60 @@ def experts_mlp(x_TxD: jax.Array, routing: Routing, gate_ExDxF: jax.Array, up_Ex
     sizes_E = jnp.bincount(expert_of_A, length=num_experts).astype(jnp.int32)
     rows_AxD = x_TxD[token_A]
     dtype = x_TxD.dtype
+    multiply = MATMULS[matmul](T * k, num_experts, sizes_E)
 
     def grouped(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-        return jax.lax.ragged_dot(lhs, rhs.astype(dtype), sizes_E)
+        return multiply(lhs, rhs.astype(dtype))
 
     h_AxF = gated(grouped(rows_AxD, gate_ExDxF), grouped(rows_AxD, up_ExDxF))
     out_AxD = grouped(h_AxF, down_ExFxD) * routing.weights_TxK.reshape(T * k)[order_A][:, None]
     return jnp.zeros_like(x_TxD).at[token_A].add(out_AxD)
+
+
+def tile_rows(rows: int, experts: int) -> int:
+    """Rows per tile of `tiled`: the power of two nearest below half an expert's mean share
+    (8 to 256), so padding adds at most about half the rows again and the gathered weights
+    are about three times an expert layer's."""
+    half_mean = max(rows / experts / 2, 1)
+    return min(256, max(8, 1 << int(math.log2(half_mean))))
+
+
+def tiled(rows: int, experts: int, sizes_E: jax.Array) -> Callable:
+    """A grouped matmul for rows sorted by expert (`sizes_E` of each): each expert's rows are
+    padded to whole tiles of `tile_rows` rows, every tile multiplied by its own expert's weight
+    in one batched matmul, and the rows taken back out. The shapes are static: A rows fill at
+    most (A + E·(tile - 1)) / tile tiles. Work and memory follow the rows, about 1.5x those of
+    the k experts a token goes to, where `jax.lax.ragged_dot` on XLA's CPU (and GPU) compiler
+    multiplies every row by every expert (E times the work)."""
+    tile = tile_rows(rows, experts)
+    n_tiles = -(-(rows + experts * (tile - 1)) // tile)
+    tiles_E = (sizes_E + tile - 1) // tile
+    first_tile_E = jnp.cumsum(tiles_E) - tiles_E
+    start_E = jnp.cumsum(sizes_E) - sizes_E
+    expert_A = jnp.repeat(jnp.arange(experts), sizes_E, total_repeat_length=rows)
+    slot_A = first_tile_E[expert_A] * tile + jnp.arange(rows) - start_E[expert_A]
+    # Tile n's expert: how many experts' tiles end at or before it (unused tiles: the last).
+    expert_N = jnp.minimum(jnp.searchsorted(jnp.cumsum(tiles_E), jnp.arange(n_tiles),
+                                            side="right"), experts - 1)
+
+    def multiply(lhs_AxD: jax.Array, rhs_ExDxF: jax.Array) -> jax.Array:
+        dim = lhs_AxD.shape[1]
+        padded = jnp.zeros((n_tiles * tile, dim), lhs_AxD.dtype).at[slot_A].set(
+            lhs_AxD, unique_indices=True)
+        y_NxtxF = jnp.einsum("ntd,ndf->ntf", padded.reshape(n_tiles, tile, dim),
+                             rhs_ExDxF[expert_N])
+        return y_NxtxF.reshape(n_tiles * tile, -1)[slot_A]
+
+    return multiply
+
+
+def ragged(rows: int, experts: int, sizes_E: jax.Array) -> Callable:
+    """`jax.lax.ragged_dot`: one grouped matmul, as fast as the compiler's lowering of it."""
+    return lambda lhs, rhs: jax.lax.ragged_dot(lhs, rhs, sizes_E)
+
+
+# model.moe_matmul → (rows, experts, sizes) → (lhs [A, D], rhs [E, D, F]) → [A, F].
+MATMULS = {"tiles": tiled, "ragged_dot": ragged}
 
 
 def load_balancing_loss(probs_TxE: jax.Array, experts_TxK: jax.Array) -> jax.Array:
@@ -69,3 +122,53 @@ def load_balancing_loss(probs_TxE: jax.Array, experts_TxK: jax.Array) -> jax.Arr
     T, num_experts = probs_TxE.shape
     assigned_E = jnp.zeros(num_experts, jnp.float32).at[experts_TxK.reshape(-1)].add(1.0) / T
     return num_experts * jnp.sum(assigned_E * jnp.mean(probs_TxE, axis=0))
+
+
+# A routed layer's sums (fp32), added over layers: `assigned_E` top-k assignments per expert,
+# `probs_E` router probabilities per expert, `z` squared logsumexps, `tokens` routed tokens.
+Statistics = dict[str, jax.Array]
+
+
+def statistics(routing: Routing) -> Statistics:
+    T, num_experts = routing.probs_TxE.shape
+    assigned_E = jnp.zeros(num_experts, jnp.float32).at[routing.experts_TxK.reshape(-1)].add(1.0)
+    return {"assigned_E": assigned_E, "probs_E": jnp.sum(routing.probs_TxE, axis=0),
+            "z": jnp.sum(jnp.square(routing.logsumexp_T)),
+            "tokens": jnp.asarray(T, jnp.float32)}
+
+
+def total(stacks: list[Statistics | None]) -> Statistics | None:
+    """The sums over every routed layer, from stacks of layers' statistics (layers on axis 0);
+    None where no layer routes."""
+    parts = [jax.tree.map(lambda a: jnp.sum(a, axis=0), s) for s in stacks if s]
+    return jax.tree.map(lambda *a: sum(a), *parts) if parts else None
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    """How much of the router's losses the training loss adds (training.moe_aux_loss_weight,
+    training.router_z_loss_weight); zero for evaluation."""
+
+    aux: float = 0.0
+    z: float = 0.0
+
+
+def losses(stats: Statistics) -> dict[str, jax.Array]:
+    """The load-balancing loss over all routed layers' tokens at once, as transformers'
+    `load_balancing_loss_func` computes it over its concatenated router logits: E · Σ_e
+    (assignments to e / N) · (router probability of e / N), N = tokens × routed layers; and
+    ST-MoE's z-loss, the mean squared logsumexp of the router logits."""
+    n = stats["tokens"]
+    num_experts = stats["assigned_E"].shape[-1]
+    aux = num_experts * jnp.sum((stats["assigned_E"] / n) * (stats["probs_E"] / n))
+    return {"moe_aux_loss": aux, "router_z_loss": stats["z"] / n}
+
+
+# What a training step logs of a mixture of experts, each a mean over the step's tokens.
+METRICS = ("moe_aux_loss", "router_z_loss", "expert_load_max", "expert_load_min")
+
+
+def load(stats: Statistics) -> dict[str, jax.Array]:
+    """The busiest and idlest experts' share of the routed tokens (k/E each at balance)."""
+    share_E = stats["assigned_E"] / stats["tokens"]
+    return {"expert_load_max": jnp.max(share_E), "expert_load_min": jnp.min(share_E)}

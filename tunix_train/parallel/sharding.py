@@ -39,6 +39,9 @@ RULES: dict[str, str | None] = {
     "vocab": TP,
     "embed": FSDP,
     "mlp": TP,
+    "experts": None,  # a routed layer's experts: each device holds every expert (sharded over
+    # fsdp by their `embed` dimension under ZeRO 3, like a dense MLP)
+    "expert_mlp": TP,  # each expert's MLP width, as `mlp`
     "q_heads": TP,
     "kv_heads": TP,  # dropped automatically when tp does not divide num_kv_heads (MQA)
     "head_dim": None,
@@ -59,7 +62,7 @@ RULES: dict[str, str | None] = {
 
 # Logical axes whose size must be divisible by the mesh axis they map to, or the run cannot shard
 # them; the others fall back to replication (e.g. a single KV head under tp).
-_MUST_DIVIDE = ("vocab", "embed", "mlp", "q_heads")
+_MUST_DIVIDE = ("vocab", "embed", "mlp", "expert_mlp", "q_heads")
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,8 @@ def logical_dims(model: ModelConfig) -> dict[str, int]:
         "vocab": model.vocab_size, "embed": model.embed_dim, "mlp": model.hidden_dim,
         "q_heads": model.num_heads, "kv_heads": model.num_kv_heads, "head_dim": model.head_dim,
     }
+    if model.num_experts:
+        dims.update(experts=model.num_experts, expert_mlp=model.expert_hidden_dim)
     dims.update({f"act_{k}": v for k, v in dims.items()})
     return dims
 
@@ -124,7 +129,7 @@ def resolve_rules(model: ModelConfig, mesh: Mesh,
 
 
 _DIM_KEYS = {"vocab": "vocab_size", "embed": "embed_dim", "mlp": "hidden_dim",
-             "q_heads": "num_heads"}
+             "expert_mlp": "expert_hidden_dim", "q_heads": "num_heads"}
 
 
 def stage_rules(model: ModelConfig, mesh: Mesh, zero_stage: int,

@@ -168,6 +168,8 @@ def format_line(step: int, total: int, values: dict[str, Any]) -> str:
             + (f"reward {values['reward_mean']:.3f} | " if "reward_mean" in values else "")
             + (f"margin {values['margin']:.3f} | accuracy {values['accuracy']:.2f} | "
                if "accuracy" in values else "")
+            + (f"aux {values['moe_aux_loss']:.3f} | load {values['expert_load_min']:.2f}-"
+               f"{values['expert_load_max']:.2f} | " if "moe_aux_loss" in values else "")
             + f"lr {values['lr']:.2e} | "
             f"grad_norm {values['grad_norm']:.3f} | {values['tokens_per_s']:,.0f} tok/s | "
             f"{values['step_time_s']:.3f} s/step"

@@ -218,8 +218,11 @@ def log_startup(setup: Setup, state, writer: MetricsWriter) -> None:
     if backend.is_cpu() and mesh_lib.nvidia_gpus_present():
         log.warning("this machine has NVIDIA GPUs but JAX runs on the CPU: install JAX's CUDA "
                     "wheels with pip install -c constraints.txt -e '.[cuda]' (README)")
+    active = families.active_params(cfg.model)
     lines.append(f"parameters: {count:,} ({total / 1e6:.1f} MB fp32); per device "
-                 f"{per_device / 1e6:.1f} MB")
+                 f"{per_device / 1e6:.1f} MB"
+                 + (f"; {active:,} active per token" if active != families.count_params(
+                     cfg.model) else ""))
     log.info(lines[-1])
     writer.text("mesh", "\n".join(lines))
     writer.text("config", OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # text, not parsing

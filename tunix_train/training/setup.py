@@ -30,7 +30,7 @@ from tunix_train.analysis import costs
 from tunix_train.config import Config, ConfigError, TrainingConfig
 from tunix_train.data import pipeline
 from tunix_train.data.pipeline import BatchShape
-from tunix_train.models import attention, families, quantization
+from tunix_train.models import attention, families, moe, quantization
 from tunix_train.models.head import VocabChunks
 from tunix_train.parallel import fsdp, sharding
 from tunix_train.parallel import stages
@@ -62,6 +62,7 @@ class Setup:
         shape = mesh_lib.parse(cfg.model.mesh_shape, len(devices))
         t = cfg.training
         stages.check_layers(cfg.model, shape.pp, t.pipeline_repeats)
+        _check_router_losses_on_pp(cfg, shape.pp)
         mesh = mesh_lib.create_mesh(shape, devices, processes_per_node)
         params = ParamLayout.create(cfg.model, mesh, t.zero_stage, t.remat, t.mixed_precision,
                                     t.pipeline_repeats, cfg.lora)
@@ -303,10 +304,32 @@ def step_options(cfg: Config, params: ParamLayout, batch: BatchShape) -> StepOpt
     plan = None if pp == 1 else stages.schedule(pp, batch.rows // sync.fsdp,
                                                 cfg.training.pipeline_microbatches,
                                                 cfg.training.pipeline_repeats)
-    lora = cfg.lora
+    lora, t = cfg.lora, cfg.training
     return StepOptions(compute_dtype=dtype, sync=sync, mesh=params.mesh,
                        rules=params.rules.params, vocab_chunks=chunks, pipeline=plan,
-                       dropout_seed=cfg.training.seed if lora.on and lora.dropout else None)
+                       dropout_seed=t.seed if lora.on and lora.dropout else None,
+                       router=router_loss_weights(cfg))
+
+
+def router_loss_weights(cfg: Config) -> moe.LossWeights:
+    """How much of a mixture of experts' router losses the training loss adds (none for a dense
+    model): training.moe_aux_loss_weight, by default the model's router_aux_loss_coef."""
+    t = cfg.training
+    if not families.layout(cfg.model).routed:
+        return moe.LossWeights()
+    aux = cfg.model.router_aux_loss_coef if t.moe_aux_loss_weight is None else \
+        t.moe_aux_loss_weight
+    return moe.LossWeights(aux, t.router_z_loss_weight)
+
+
+def _check_router_losses_on_pp(cfg: Config, pp: int) -> None:
+    weights = router_loss_weights(cfg)
+    if pp > 1 and (weights.aux or weights.z):
+        raise ConfigError(
+            f"training.moe_aux_loss_weight={weights.aux} and training.router_z_loss_weight="
+            f"{weights.z}: the pipeline schedule (pp={pp}) does not carry the router's losses "
+            f"through its stages yet; set both to 0 to train {cfg.model.name} on a pp mesh "
+            f"without them, or use a mesh without pp.")
 
 
 def batch_shape(training: TrainingConfig, seq_len: int, fsdp_size: int) -> BatchShape:

@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from tunix_train.models import context, lora, quantization
+from tunix_train.models import context, lora, moe, quantization
 from tunix_train.models.head import VocabChunks
 from tunix_train.parallel import fsdp, pipeline, stages
 from tunix_train.parallel.mesh import CP
@@ -40,18 +40,30 @@ class StepOptions:
     vocab_chunks: VocabChunks  # how the fused output head + loss cuts the vocabulary
     pipeline: stages.Schedule | None = None  # with a pp axis: the pipeline schedule
     dropout_seed: int | None = None  # LoRA dropout's seed (training.seed); None = no dropout
+    router: moe.LossWeights = moe.LossWeights()  # the router's losses (mixture of experts)
 
 
 def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: Batch,
-              vocab_chunks: VocabChunks = VocabChunks()) -> tuple[jax.Array, dict]:
+              vocab_chunks: VocabChunks = VocabChunks(),
+              router: moe.LossWeights = moe.LossWeights()) -> tuple[jax.Array, dict]:
     """(sum of token losses, {"tokens": number of counted tokens}) for one [B, L] batch;
     `params` already in the compute dtype. The logits are formed a vocabulary chunk at a time,
-    never whole."""
+    never whole. A mixture of experts adds its router's losses of this batch, weighted by
+    `router` and counted once per token (as transformers adds them to the mean token loss),
+    and its `moe.METRICS` as sums over tokens."""
     model = nnx.merge(graphdef, params)
-    token_loss_BxL = model.token_losses(batch["inputs"], batch["targets"], batch.get("positions"),
-                                        batch.get("segment_ids"), vocab_chunks)
+    token_loss_BxL, stats = model.losses(batch["inputs"], batch["targets"],
+                                         batch.get("positions"), batch.get("segment_ids"),
+                                         vocab_chunks)
     weights_BxL = batch["weights"]
-    return jnp.sum(token_loss_BxL * weights_BxL), {"tokens": jnp.sum(weights_BxL)}
+    tokens = jnp.sum(weights_BxL)
+    loss_sum, sums = jnp.sum(token_loss_BxL * weights_BxL), {"tokens": tokens}
+    if stats is not None:
+        terms = moe.losses(stats)
+        router_loss = router.aux * terms["moe_aux_loss"] + router.z * terms["router_z_loss"]
+        loss_sum += tokens * router_loss
+        sums.update({name: value * tokens for name, value in {**terms, **moe.load(stats)}.items()})
+    return loss_sum, sums
 
 
 # (graphdef, params, micro-batch, vocab chunks) → (loss sum, sums with "tokens"): the loss a
@@ -89,9 +101,11 @@ def train_step_fn(layout: StateLayout, optimizer: optax.GradientTransformation,
                              "trainer's loss cannot run on a pp mesh")
         micro_loss_fn = partial(pipeline.loss_sums, plan=options.pipeline)
 
+    routed = {"router": options.router} if micro_loss_fn is loss_sums else {}
+
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         micro_loss = with_dropout(partial(micro_loss_fn, layout.params.graphdef,
-                                          vocab_chunks=options.vocab_chunks),
+                                          vocab_chunks=options.vocab_chunks, **routed),
                                   options.dropout_seed)
         # Inside the shard_map over fsdp each device sees its own rows: no fsdp constraint.
         # Parameters go in as fp32 shards: each is cast where it is gathered (parallel/fsdp.py).
@@ -100,6 +114,8 @@ def train_step_fn(layout: StateLayout, optimizer: optax.GradientTransformation,
                 options.sync, micro_loss, state["params"], in_cp_order(batch, options.mesh),
                 state.get(FROZEN))
         tokens = sums.pop("tokens")
+        per_token = {name: sums.pop(name) / jnp.maximum(tokens, 1.0)
+                     for name in moe.METRICS if name in sums}
         # A non-finite loss makes every gradient NaN here (in the division that happens anyway),
         # so the optimizer's finiteness guard skips the update even if the gradients were finite.
         denominator = jnp.where(jnp.isfinite(loss_sum), jnp.maximum(tokens, 1.0), jnp.nan)
@@ -119,6 +135,7 @@ def train_step_fn(layout: StateLayout, optimizer: optax.GradientTransformation,
             "tokens": tokens,
             "skipped_steps": skipped_updates(opt_state),
             **sums,
+            **per_token,
         }
         return new_state, metrics
 

@@ -1,0 +1,63 @@
+"""A mixture of experts' train step against a dense model of the same active size, in one run.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/moe.py [overrides]
+
+The MoE model is Qwen 3 MoE with E = 8 experts of width F, each token through 2 of them
+(every layer routed); the dense one is Qwen 3 with an MLP of width 2·F: the same multiply-adds
+per token in every matmul but the router's (d × E). Both train on the same random batch with the
+same attention, on one device and on fsdp 4 × tp 2, timed in alternating rounds; the ratio
+step(MoE) / step(dense) is what routing costs: the router, the sort, the tiles' padding (at
+most half the rows again) and moving rows to their experts and back. `model.moe_matmul=
+ragged_dot` (jax.lax.ragged_dot, which XLA's CPU compiler turns into every row times every
+expert) is timed beside it. The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+
+from timing import alternating_medians, train_stepper
+
+ROUNDS, STEPS_PER_ROUND, WARMUP = 5, 2, 1
+EXPERTS, TOP_K, EXPERT_WIDTH = 8, 2, 512
+SHARED = ["model.num_layers=4", "model.embed_dim=256", "model.num_heads=4",
+          "model.num_kv_heads=2", "model.head_dim=64", "model.vocab_size=512",
+          "data.seq_len=256", "training.mixed_precision=fp32"]
+MOE = ["model=qwen3_moe_tiny", f"model.num_experts={EXPERTS}",
+       f"model.experts_per_token={TOP_K}", f"model.expert_hidden_dim={EXPERT_WIDTH}"]
+DENSE = ["model=qwen3_tiny", f"model.hidden_dim={TOP_K * EXPERT_WIDTH}"]
+MESHES = {"1 device": ('model.mesh_shape=[[1,1],["fsdp","tp"]]', 1),
+          "fsdp 4 x tp 2": ('model.mesh_shape=[[4,2],["fsdp","tp"]]', 8)}
+
+
+def main(overrides: list[str]) -> dict:
+    rows = []
+    for name, (mesh, devices) in MESHES.items():
+        micro = [f"training.micro_batch_size={8 // (4 if devices == 8 else 1)}"]
+        runs = {
+            "dense": train_stepper([*DENSE, *SHARED, *overrides, mesh, *micro])[1],
+            "tiles": train_stepper([*MOE, *SHARED, *overrides, mesh, *micro])[1],
+            "ragged_dot": train_stepper([*MOE, *SHARED, *overrides, mesh, *micro,
+                                         "model.moe_matmul=ragged_dot"])[1],
+        }
+        median = alternating_medians(runs, WARMUP, ROUNDS, STEPS_PER_ROUND)
+        row = {"mesh": name, "dense_ms": round(median["dense"] * 1e3, 1),
+               "moe_tiles_ms": round(median["tiles"] * 1e3, 1),
+               "moe_ragged_dot_ms": round(median["ragged_dot"] * 1e3, 1),
+               "ratio_tiles": round(median["tiles"] / median["dense"], 3),
+               "ratio_ragged_dot": round(median["ragged_dot"] / median["dense"], 3)}
+        rows.append(row)
+        print(f"{name}: dense {row['dense_ms']} ms, MoE {row['moe_tiles_ms']} ms "
+              f"(ratio {row['ratio_tiles']}), MoE with ragged_dot {row['moe_ragged_dot_ms']} "
+              f"ms (ratio {row['ratio_ragged_dot']})")
+    result = {"rows": rows, "experts": EXPERTS, "top_k": TOP_K, "expert_width": EXPERT_WIDTH,
+              "device_kind": jax.devices()[0].device_kind}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
