@@ -38,10 +38,10 @@ def main(overrides: list[str]) -> dict:
     for name, (mesh, devices) in MESHES.items():
         micro = [f"training.micro_batch_size={8 // (4 if devices == 8 else 1)}"]
         runs = {
-            "dense": train_stepper([*DENSE, *SHARED, *overrides, mesh, *micro])[1],
-            "tiles": train_stepper([*MOE, *SHARED, *overrides, mesh, *micro])[1],
+            "dense": train_stepper([*DENSE, *SHARED, *overrides, mesh, *micro], devices)[1],
+            "tiles": train_stepper([*MOE, *SHARED, *overrides, mesh, *micro], devices)[1],
             "ragged_dot": train_stepper([*MOE, *SHARED, *overrides, mesh, *micro,
-                                         "model.moe_matmul=ragged_dot"])[1],
+                                         "model.moe_matmul=ragged_dot"], devices)[1],
         }
         median = alternating_medians(runs, WARMUP, ROUNDS, STEPS_PER_ROUND)
         row = {"mesh": name, "dense_ms": round(median["dense"] * 1e3, 1),

@@ -16,13 +16,14 @@ def timed(fn, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def train_stepper(overrides: list[str]):
+def train_stepper(overrides: list[str], devices: int | None = None):
     """(setup, run): `run()` takes one real train step of the configuration on a fixed random
-    batch, carrying the state, and returns the loss to wait on."""
+    batch, carrying the state, and returns the loss to wait on; on the first `devices` devices
+    (default: all)."""
     from tunix_train import cli
     from tunix_train.training.setup import Setup
 
-    setup = Setup.create(cli.compose(overrides))
+    setup = Setup.create(cli.compose(overrides), jax.devices()[:devices])
     step, batch, state = setup.train_step(), setup.random_batch(), [setup.fresh_state()]
 
     def run():

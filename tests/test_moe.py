@@ -126,9 +126,9 @@ def test_the_tiled_matmul_does_the_rows_work_not_every_experts():
 
     grouped = lambda a, b, s: moe.tiled(rows, experts, s)(a, b)  # noqa: E731
     sizes = jnp.asarray(sizes, jnp.int32)
-    assert ideal <= flops(grouped, lhs, rhs, sizes) <= 1.5 * ideal * 1.02
+    assert ideal <= flops(grouped, lhs, rhs, sizes) <= 1.55 * ideal  # + the selects of `take`
     backward = jax.grad(lambda a, b, s: jnp.sum(grouped(a, b, s)), argnums=(0, 1))
-    assert flops(backward, lhs, rhs, sizes) <= 3 * 1.5 * ideal * 1.02
+    assert flops(backward, lhs, rhs, sizes) <= 3 * 1.55 * ideal
     expected = np.concatenate([np.full((n, width), dim * e) for e, n in enumerate(
         np.asarray(sizes))])  # each row multiplied by its own expert's weight
     np.testing.assert_array_equal(np.asarray(jax.jit(grouped)(lhs, rhs, sizes)), expected)

@@ -50,14 +50,15 @@ def experts_mlp(x_TxD: jax.Array, routing: Routing, gate_ExDxF: jax.Array, up_Ex
                 down_ExFxD: jax.Array, gated: Callable[[jax.Array, jax.Array], jax.Array],
                 matmul: str = "tiles") -> jax.Array:
     """Σ over each token's k experts of weight · down(gated(gate(x), up(x))), each expert's
-    projections applied to its own tokens only (`matmul`: how, `MATMULS`)."""
+    projections applied to its own tokens only (`matmul`: how, `MATMULS`). Rows move between
+    token order and expert order by gathers both ways (`take`), never by a scatter."""
     T, k = routing.experts_TxK.shape
     num_experts = gate_ExDxF.shape[0]
     expert_of_A = routing.experts_TxK.reshape(T * k)  # A = T·k assignments, token-major
-    order_A = jnp.argsort(expert_of_A, stable=True)  # grouped by expert
-    token_A = order_A // k
+    order_A = jnp.argsort(expert_of_A, stable=True).astype(jnp.int32)  # grouped by expert
+    sorted_at_A = jnp.argsort(order_A).astype(jnp.int32)  # where each assignment went
     sizes_E = jnp.bincount(expert_of_A, length=num_experts).astype(jnp.int32)
-    rows_AxD = x_TxD[token_A]
+    rows_AxD = take(x_TxD, order_A // k, sorted_at_A.reshape(T, k))
     dtype = x_TxD.dtype
     multiply = MATMULS[matmul](T * k, num_experts, sizes_E)
 
@@ -65,14 +66,43 @@ def experts_mlp(x_TxD: jax.Array, routing: Routing, gate_ExDxF: jax.Array, up_Ex
         return multiply(lhs, rhs.astype(dtype))
 
     h_AxF = gated(grouped(rows_AxD, gate_ExDxF), grouped(rows_AxD, up_ExDxF))
-    out_AxD = grouped(h_AxF, down_ExFxD) * routing.weights_TxK.reshape(T * k)[order_A][:, None]
-    return jnp.zeros_like(x_TxD).at[token_A].add(out_AxD)
+    out_AxD = grouped(h_AxF, down_ExFxD)
+    out_TxKxD = take(out_AxD, sorted_at_A, order_A[:, None]).reshape(T, k, -1)
+    return jnp.einsum("tkd,tk->td", out_TxKxD, routing.weights_TxK)
+
+
+@jax.custom_vjp
+def take(x_NxD: jax.Array, index_M: jax.Array, uses_NxR: jax.Array) -> jax.Array:
+    """Rows x[index] (index -1: a zero row), where `uses` lists for each row of x the positions
+    of `index` that take it (-1: none; every position of index appears there once): the
+    backward pass sums each row's uses by a gather, not by the scatter-add JAX's own gradient
+    of a gather is (serial on XLA's CPU compiler)."""
+    return _rows(x_NxD, index_M)
+
+
+def _rows(x: jax.Array, index: jax.Array) -> jax.Array:
+    return jnp.where((index >= 0)[:, None], x[jnp.maximum(index, 0)], jnp.zeros((), x.dtype))
+
+
+def _take_fwd(x_NxD, index_M, uses_NxR):
+    return _rows(x_NxD, index_M), (index_M, uses_NxR)
+
+
+def _take_bwd(residuals, dy_MxD):
+    _, uses_NxR = residuals
+    n, r = uses_NxR.shape
+    dx = _rows(dy_MxD, uses_NxR.reshape(n * r)).reshape(n, r, -1).sum(axis=1)
+    return dx, None, None
+
+
+take.defvjp(_take_fwd, _take_bwd)
 
 
 def tile_rows(rows: int, experts: int) -> int:
     """Rows per tile of `tiled`: the power of two nearest below half an expert's mean share
-    (8 to 256), so padding adds at most about half the rows again and the gathered weights
-    are about three times an expert layer's."""
+    (8 to 256), so padding adds at most about half the rows again, for weights gathered about
+    three times an expert layer's (a quarter of the share measured no faster on CPU, for more
+    gathered weights)."""
     half_mean = max(rows / experts / 2, 1)
     return min(256, max(8, 1 << int(math.log2(half_mean))))
 
@@ -90,18 +120,19 @@ def tiled(rows: int, experts: int, sizes_E: jax.Array) -> Callable:
     first_tile_E = jnp.cumsum(tiles_E) - tiles_E
     start_E = jnp.cumsum(sizes_E) - sizes_E
     expert_A = jnp.repeat(jnp.arange(experts), sizes_E, total_repeat_length=rows)
-    slot_A = first_tile_E[expert_A] * tile + jnp.arange(rows) - start_E[expert_A]
+    slot_A = (first_tile_E[expert_A] * tile + jnp.arange(rows) - start_E[expert_A]).astype(
+        jnp.int32)
+    row_P = jnp.full(n_tiles * tile, -1, jnp.int32).at[slot_A].set(
+        jnp.arange(rows, dtype=jnp.int32), unique_indices=True)  # -1: padding
     # Tile n's expert: how many experts' tiles end at or before it (unused tiles: the last).
     expert_N = jnp.minimum(jnp.searchsorted(jnp.cumsum(tiles_E), jnp.arange(n_tiles),
                                             side="right"), experts - 1)
 
     def multiply(lhs_AxD: jax.Array, rhs_ExDxF: jax.Array) -> jax.Array:
-        dim = lhs_AxD.shape[1]
-        padded = jnp.zeros((n_tiles * tile, dim), lhs_AxD.dtype).at[slot_A].set(
-            lhs_AxD, unique_indices=True)
-        y_NxtxF = jnp.einsum("ntd,ndf->ntf", padded.reshape(n_tiles, tile, dim),
+        padded = take(lhs_AxD, row_P, slot_A[:, None])
+        y_NxtxF = jnp.einsum("ntd,ndf->ntf", padded.reshape(n_tiles, tile, -1),
                              rhs_ExDxF[expert_N])
-        return y_NxtxF.reshape(n_tiles * tile, -1)[slot_A]
+        return take(y_NxtxF.reshape(n_tiles * tile, -1), slot_A, row_P[:, None])
 
     return multiply
 
