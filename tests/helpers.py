@@ -55,6 +55,9 @@ FAMILY_MODELS = {
     "qwen3_moe": ["model=qwen3_moe_tiny", "model.embed_dim=64", "model.hidden_dim=128",
                   "model.head_dim=16", "model.expert_hidden_dim=32", "model.num_layers=5",
                   "model.moe_every=2", "training.moe_aux_loss_weight=0"],
+    # Every layer routed (one stack), without the router's losses.
+    "mixtral": ["model=mixtral_tiny", "model.embed_dim=64", "model.head_dim=16",
+                "model.expert_hidden_dim=32", "training.moe_aux_loss_weight=0"],
 }
 FAMILIES = list(FAMILY_MODELS)
 

@@ -50,12 +50,22 @@ QWEN_MOE = dict(
     decoder_sparse_step=2, router_aux_loss_coef=0.01,
 )
 
+# Mixtral: every layer routed through 2 of 5 experts of width 48 (renormalised), Llama's
+# attention without q/k norms, saved with the Hub's `block_sparse_moe` names.
+MIXTRAL = dict(
+    vocab_size=320, hidden_size=64, intermediate_size=48, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+    rope_theta=1_000_000.0, tie_word_embeddings=False, max_position_embeddings=1024,
+    num_local_experts=5, num_experts_per_tok=2, router_aux_loss_coef=0.02,
+)
+
 # family → (config class, model class, settings)
 FAMILIES = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", CONFIG),
     "llama3": ("LlamaConfig", "LlamaForCausalLM", LLAMA),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", QWEN),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN_MOE),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", MIXTRAL),
 }
 
 

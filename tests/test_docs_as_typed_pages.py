@@ -72,7 +72,8 @@ def test_models_page_mixture_of_experts_as_typed(typed):
     [plan] = page_commands("docs/models.md", "tunix_train.plan model=qwen3_30b_a3b")
     printed = ok(typed.run(plan))
     page = (typed.root / "docs/models.md").read_text()
-    [row] = [line for line in page.splitlines() if "`offload_optimizer=true` |" in line]
+    [row] = [line for line in page.splitlines()
+             if "`qwen3_30b_a3b`, fsdp 8 | `offload_optimizer=true` |" in line]
     device, host = row.split("|")[3].replace("GB host", "").split(" GB + ")
     assert f"= {device.strip()} GB on the device, {host.strip()} GB in host memory" in printed
     assert "verdict: fits" in printed

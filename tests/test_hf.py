@@ -1,5 +1,6 @@
 """Import and export of Hugging Face checkpoints of every family, against `transformers`
-itself: tiny random Gemma 3, Llama 3, Qwen 3 and Qwen 3 MoE models (tests/hf_reference.py)."""
+itself: tiny random Gemma 3, Llama 3, Qwen 3, Qwen 3 MoE and Mixtral models
+(tests/hf_reference.py)."""
 
 import json
 
@@ -97,11 +98,16 @@ def test_dimensions_come_from_config_json(family, single_device):
     elif family == "qwen3":
         assert (model.num_layers, model.tie_embeddings, model.global_rope_base) == \
             (3, True, 1_000_000.0)
-    else:
+    elif family == "qwen3_moe":
         assert (model.num_layers, model.tie_embeddings, model.num_experts,
                 model.experts_per_token, model.expert_hidden_dim, model.normalize_top_k,
                 model.moe_every, model.router_aux_loss_coef) == \
             (3, False, 5, 2, 48, False, 2, 0.01)
+    else:
+        assert (model.num_layers, model.tie_embeddings, model.rms_norm_eps, model.num_experts,
+                model.experts_per_token, model.expert_hidden_dim, model.normalize_top_k,
+                model.moe_every, model.router_aux_loss_coef) == \
+            (3, False, 1e-5, 5, 2, 48, True, 1, 0.02)
 
 
 def test_import_onto_2x4_is_sharded_and_matches_1x1(family, reference, single_device, tokens):
@@ -112,10 +118,10 @@ def test_import_onto_2x4_is_sharded_and_matches_1x1(family, reference, single_de
     assert {s.data.shape for s in q.addressable_shards} == {(q.shape[0], 32, 1, 16)}
     embedding = params["embedder"]["embedding"]
     assert embedding.addressable_shards[0].data.size == embedding.size // 8
-    if family == "qwen3_moe":  # [layers, experts, D, F]: every expert, D over fsdp, F over tp
+    if family in ("qwen3_moe", "mixtral"):  # [layers, experts, D, F]: D over fsdp, F over tp
         gate = params["layers"]["mlp"]["gate"]
         assert tuple(gate.sharding.spec) == (None, None, "fsdp", "tp")
-        assert {s.data.shape for s in gate.addressable_shards} == {(1, 5, 32, 12)}
+        assert {s.data.shape for s in gate.addressable_shards} == {(gate.shape[0], 5, 32, 12)}
     # fp32 sums in another order: 1e-5 relative, as every mesh comparison (one logit of ~1.5
     # differed by 1.0e-5 on some x86 CPUs, just past an absolute 1e-5).
     np.testing.assert_allclose(our_logits(setup, params, tokens),
@@ -236,10 +242,14 @@ def test_llama_legacy_and_new_rope_styles_agree(tmp_path):
                                                           "Qwen 3 implementation"),
     ({"model_type": "gemma3_text", "final_logit_softcapping": 30.0},
      "final_logit_softcapping=30.0, which this Gemma 3 implementation"),
+    ({"model_type": "qwen3_moe", "mlp_only_layers": [0]}, "mlp_only_layers=\\[0\\], which this "
+                                                         "Qwen 3 MoE implementation"),
+    ({"model_type": "mixtral", "router_jitter_noise": 0.01}, "router_jitter_noise=0.01, which "
+                                                             "this Mixtral implementation"),
     ({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
      "RoPE type 'yarn' is not supported"),
     ({"model_type": "mistral"}, "describes model_type 'mistral'; the supported ones are "
-                                "gemma3_text, gemma3, llama, qwen3, qwen3_moe"),
+                                "gemma3_text, gemma3, llama, qwen3, qwen3_moe, mixtral"),
 ])
 def test_an_unsupported_checkpoint_option_is_refused_by_name(tmp_path, config, message):
     with pytest.raises(ConfigError, match=message):

@@ -134,13 +134,14 @@ def test_the_tiled_matmul_does_the_rows_work_not_every_experts():
     np.testing.assert_array_equal(np.asarray(jax.jit(grouped)(lhs, rhs, sizes)), expected)
 
 
-def _fused_checkpoint(path, **changes):
-    """A tiny Qwen3-MoE saved from its in-memory state dict, experts fused as transformers 5
-    holds them (its save_pretrained splits them per expert, as the Hub's files are)."""
+def _fused_checkpoint(path, family, **changes):
+    """A tiny mixture of experts saved from its in-memory state dict, experts fused as
+    transformers 5 holds them (its save_pretrained splits them per expert, as the Hub's files
+    are)."""
     import hf_reference
     from safetensors.torch import save_file
 
-    model = hf_reference.build(path / "split", family="qwen3_moe", **changes)
+    model = hf_reference.build(path / "split", family=family, **changes)
     path.mkdir(exist_ok=True)
     model.config.save_pretrained(path)
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"
@@ -158,15 +159,18 @@ def _imported(path):
     return cfg, nnx.merge(setup.params.graphdef, params), params
 
 
-def test_fused_experts_with_renormalised_weights_give_transformers_logits_and_losses(tmp_path):
-    """Every layer routed, norm_topk_prob on, experts read from fused tensors: logits within
-    1e-5, the load-balancing loss transformers returns with output_router_logits=True, and the
-    training loss it adds to the mean token loss (router_aux_loss_coef x that loss)."""
+@pytest.mark.parametrize("family,changes", [
+    ("qwen3_moe", {"norm_topk_prob": True, "decoder_sparse_step": 1}), ("mixtral", {})])
+def test_fused_experts_with_renormalised_weights_give_transformers_logits_and_losses(
+        tmp_path, family, changes):
+    """Every layer routed, top-k weights renormalised, experts read from fused tensors: logits
+    within 1e-5, the load-balancing loss transformers returns with output_router_logits=True,
+    and the training loss it adds to the mean token loss (router_aux_loss_coef x that loss)."""
     import torch
 
     import hf_reference
 
-    theirs_model = _fused_checkpoint(tmp_path, norm_topk_prob=True, decoder_sparse_step=1)
+    theirs_model = _fused_checkpoint(tmp_path, family, **changes)
     cfg, ours, params = _imported(tmp_path)
     assert (cfg.model.normalize_top_k, cfg.model.moe_every, cfg.model.num_experts) == (True, 1, 5)
     tokens = np.random.default_rng(0).integers(0, 320, (2, 40))

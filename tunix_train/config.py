@@ -25,7 +25,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     name: str = "gemma3_tiny"
-    family: str = "gemma3"  # gemma3 | llama3 | qwen3 | qwen3_moe: the architecture (docs/models.md)
+    family: str = "gemma3"  # gemma3 | llama3 | qwen3 | qwen3_moe | mixtral (docs/models.md)
     num_layers: int = 6
     embed_dim: int = 128  # d_model
     hidden_dim: int = 512  # gated MLP width
@@ -45,7 +45,7 @@ class ModelConfig:
     rope_original_context: int = 8192  # llama3 scaling only: the pre-training context
     query_pre_attn_scalar: Optional[float] = None  # softmax scale is its -1/2 power; None = head_dim
     rms_norm_eps: float = 1e-6
-    # Mixture of experts (qwen3_moe): a routed layer's MLP is num_experts gated MLPs of
+    # Mixture of experts (qwen3_moe, mixtral): a routed layer's MLP is num_experts gated MLPs of
     # expert_hidden_dim, each token through its experts_per_token best (docs/models.md).
     num_experts: int = 0  # 0 = every layer's MLP is dense (hidden_dim)
     experts_per_token: int = 2  # top-k

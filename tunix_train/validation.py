@@ -47,7 +47,7 @@ _CHOICES = {
     ("training", "grad_reduce_dtype"): ("auto", "fp32"),
     ("model", "attention_impl"): ("auto", "blockwise", "cudnn", "pallas", "xla"),
     ("model", "cp_exchange"): ("all_gather", "ring"),
-    ("model", "family"): ("gemma3", "llama3", "qwen3", "qwen3_moe"),
+    ("model", "family"): ("gemma3", "llama3", "qwen3", "qwen3_moe", "mixtral"),
     ("model", "rope_type"): ("linear", "llama3"),
     ("model", "moe_matmul"): ("tiles", "ragged_dot"),
     ("logging", "progress"): ("auto", "always", "never"),

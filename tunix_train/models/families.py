@@ -8,12 +8,12 @@ import jax
 from flax import nnx
 
 from tunix_train.config import ConfigError, LoraConfig, ModelConfig
-from tunix_train.models import gemma3, llama3, qwen3, qwen3_moe
+from tunix_train.models import gemma3, llama3, mixtral, qwen3, qwen3_moe
 from tunix_train.models.decoder import Decoder
 from tunix_train.models.family import Family, StackLayout
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (gemma3.FAMILY, llama3.FAMILY, qwen3.FAMILY,
-                                                    qwen3_moe.FAMILY)}
+                                                    qwen3_moe.FAMILY, mixtral.FAMILY)}
 
 
 def of(model: ModelConfig) -> Family:

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tunix_train.config import ConfigError, ModelConfig
-from tunix_train.models.hf_layouts import (HEADS_IN, HEADS_OUT, MATRIX, TRANSPOSE, VECTOR,
-                                            Layout)
+from tunix_train.models.hf_layouts import (EXPERTS_TRANSPOSE, HEADS_IN, HEADS_OUT, MATRIX,
+                                            TRANSPOSE, VECTOR, Layout)
 
 LAYERS = "layers"  # logical axis of a stack of block layers (pipeline stages cut it)
 TRAILING = "trailing_layers"  # logical axis of a stack of layers after the last block
@@ -239,3 +239,66 @@ def rope_parameters(hf: dict[str, Any], layer_type: str | None = None) -> dict[s
 
 def rope_kind(params: dict[str, Any]) -> str:
     return params.get("rope_type", params.get("type", "default"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixtures of experts (Qwen 3 MoE, Mixtral): what such a family adds to a dense one.
+
+DENSE_LAYERS = "dense_layers"  # a mixture's dense layers between routed ones (stack `layers`)
+FUSED_EXPERTS = {  # transformers 5 in memory: [E, 2F, D] (gate first) and [E, D, F]
+    ("mlp", "gate"): HfTensor("mlp.experts.gate_up_proj", EXPERTS_TRANSPOSE, half=0),
+    ("mlp", "up"): HfTensor("mlp.experts.gate_up_proj", EXPERTS_TRANSPOSE, half=1),
+    ("mlp", "down"): HfTensor("mlp.experts.down_proj", EXPERTS_TRANSPOSE),
+    ("mlp", "router"): HfTensor("mlp.gate.weight", TRANSPOSE),
+}
+
+
+class RoutedExperts:
+    """Mixed into a dense family: layer i routes through experts when i + 1 is a multiple of
+    `model.moe_every` (1: every layer). Routed layers are the stack `layers`; with moe_every =
+    n > 1 a block is n - 1 dense layers (`dense_layers`) then a routed one, and the layers
+    after the last routed one are `trailing_layers`. `per_expert` names a routed layer's
+    router and experts as the Hub's files hold them (`{j}`: the expert); `FUSED_EXPERTS` as
+    transformers 5 keeps them in memory."""
+
+    per_expert: dict[tuple, HfTensor] = {}
+
+    def layout(self, model: ModelConfig) -> StackLayout:
+        n = model.moe_every
+        if model.num_experts == 0:
+            return super().layout(model)  # type: ignore[misc]
+        if n == 1:
+            return StackLayout(block=(Segment(LAYERS, 1),), num_blocks=model.num_layers,
+                               routed=(LAYERS,))
+        return StackLayout(block=(Segment(DENSE_LAYERS, n - 1), Segment(LAYERS, 1)),
+                           num_blocks=model.num_layers // n,
+                           trailing=(Segment(TRAILING, model.num_layers % n),),
+                           routed=(LAYERS,))
+
+    def ropes(self, model: ModelConfig) -> dict[str, Rope]:
+        rope = super().ropes(model)[LAYERS]  # type: ignore[misc]
+        return {stack: rope for stack in (LAYERS, DENSE_LAYERS, TRAILING)}
+
+    def check(self, model: ModelConfig) -> None:
+        super().check(model)  # type: ignore[misc]
+        if not model.num_experts:
+            return
+        if not 0 < model.moe_every <= model.num_layers:
+            raise ConfigError(f"model.moe_every={model.moe_every}: a routed layer comes every "
+                              f"moe_every layers; use 1 to {model.num_layers} (num_layers).")
+        if not 0 < model.experts_per_token <= model.num_experts:
+            raise ConfigError(f"model.experts_per_token={model.experts_per_token}: each token "
+                              f"goes to between 1 and num_experts ({model.num_experts}) experts.")
+        if model.expert_hidden_dim <= 0:
+            raise ConfigError(f"model.expert_hidden_dim={model.expert_hidden_dim}: set each "
+                              f"expert's MLP width (HF moe_intermediate_size), e.g. 768.")
+
+    def hf_layer(self, model: ModelConfig, stack: str, fused: bool) -> dict[tuple, HfTensor]:
+        tensors = self.hf_per_layer(model)  # type: ignore[attr-defined]
+        if stack not in self.layout(model).routed:
+            return tensors
+        tensors = {p: t for p, t in tensors.items() if p[0] != "mlp"}
+        return {**tensors, **(FUSED_EXPERTS if fused else self.per_expert)}
+
+    def hf_fused(self, names) -> bool:
+        return any(name.endswith(FUSED_EXPERTS[("mlp", "gate")].name) for name in names)

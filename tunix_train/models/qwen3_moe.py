@@ -4,9 +4,8 @@ token's `experts_per_token` of `num_experts` SwiGLU experts of width `expert_hid
 weights renormalised to sum to 1 where `normalize_top_k` (HF `norm_topk_prob`) says so.
 
 Layer i routes when (i + 1) is a multiple of `moe_every` (HF `decoder_sparse_step`; 1 in the
-released models: every layer); the others have a dense MLP of `hidden_dim`. The routed layers
-are the stack `layers`; with `moe_every` = n > 1 a block is n - 1 dense layers (`dense_layers`)
-then a routed one, and the layers after the last routed one are `trailing_layers`.
+released models: every layer); the others have a dense MLP of `hidden_dim` (the stacks:
+family.RoutedExperts).
 
 Hugging Face: `Qwen3MoeForCausalLM`. The router is `mlp.gate.weight` [E, D]. The Hub's files
 hold each expert apart (`mlp.experts.{j}.gate_proj.weight`, …), as transformers 5.24's
@@ -20,12 +19,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from tunix_train.config import ConfigError, ModelConfig
-from tunix_train.models.family import ATTENTION_AND_MLP, HfTensor, Segment, StackLayout
-from tunix_train.models.hf_layouts import EXPERTS_TRANSPOSE, TRANSPOSE
+from tunix_train.config import ModelConfig
+from tunix_train.models.family import HfTensor, RoutedExperts
+from tunix_train.models.hf_layouts import TRANSPOSE
 from tunix_train.models.qwen3 import Qwen3
-
-ROUTED, DENSE, TRAILING = "layers", "dense_layers", "trailing_layers"
 
 _HF_DEFAULTS: dict[str, Any] = {
     "vocab_size": 151_936, "hidden_size": 2048, "intermediate_size": 6144,
@@ -41,56 +38,20 @@ _MOE = {"experts_per_token": "num_experts_per_tok",
         "expert_hidden_dim": "moe_intermediate_size", "normalize_top_k": "norm_topk_prob",
         "moe_every": "decoder_sparse_step", "router_aux_loss_coef": "router_aux_loss_coef"}
 
-_DENSE_MLP = {path: t for path, t in ATTENTION_AND_MLP.items() if path[0] == "mlp"}
-# A routed layer's tensors after `layers.<i>.`; `{j}` is the expert.
-_ROUTER = {("mlp", "router"): HfTensor("mlp.gate.weight", TRANSPOSE)}
-_PER_EXPERT = {
-    ("mlp", "gate"): HfTensor("mlp.experts.{j}.gate_proj.weight", TRANSPOSE),
-    ("mlp", "up"): HfTensor("mlp.experts.{j}.up_proj.weight", TRANSPOSE),
-    ("mlp", "down"): HfTensor("mlp.experts.{j}.down_proj.weight", TRANSPOSE),
-}
-_FUSED = {
-    ("mlp", "gate"): HfTensor("mlp.experts.gate_up_proj", EXPERTS_TRANSPOSE, half=0),
-    ("mlp", "up"): HfTensor("mlp.experts.gate_up_proj", EXPERTS_TRANSPOSE, half=1),
-    ("mlp", "down"): HfTensor("mlp.experts.down_proj", EXPERTS_TRANSPOSE),
-}
-FUSED_MARK = "mlp.experts.gate_up_proj"  # a checkpoint holding this name is fused
 
-
-class Qwen3Moe(Qwen3):
+class Qwen3Moe(RoutedExperts, Qwen3):
     name = "qwen3_moe"
     display = "Qwen 3 MoE"
     model_types = ("qwen3_moe",)
     architectures = ("Qwen3MoeForCausalLM",)
     unsupported = (("hidden_act", "silu"), ("attention_bias", False),
                    ("use_sliding_window", False), ("mlp_only_layers", []))
-
-    def layout(self, model: ModelConfig) -> StackLayout:
-        n = model.moe_every
-        if model.num_experts == 0:
-            return super().layout(model)
-        if n == 1:
-            return StackLayout(block=(Segment(ROUTED, 1),), num_blocks=model.num_layers,
-                               routed=(ROUTED,))
-        return StackLayout(block=(Segment(DENSE, n - 1), Segment(ROUTED, 1)),
-                           num_blocks=model.num_layers // n,
-                           trailing=(Segment(TRAILING, model.num_layers % n),), routed=(ROUTED,))
-
-    def ropes(self, model: ModelConfig):
-        rope = super().ropes(model)["layers"]
-        return {stack: rope for stack in (ROUTED, DENSE, TRAILING)}
-
-    def check(self, model: ModelConfig) -> None:
-        super().check(model)
-        if model.num_experts and not 0 < model.moe_every <= model.num_layers:
-            raise ConfigError(f"model.moe_every={model.moe_every}: a routed layer comes every "
-                              f"moe_every layers; use 1 to {model.num_layers} (num_layers).")
-        if model.num_experts and not 0 < model.experts_per_token <= model.num_experts:
-            raise ConfigError(f"model.experts_per_token={model.experts_per_token}: each token "
-                              f"goes to between 1 and num_experts ({model.num_experts}) experts.")
-        if model.num_experts and model.expert_hidden_dim <= 0:
-            raise ConfigError(f"model.expert_hidden_dim={model.expert_hidden_dim}: set each "
-                              f"expert's MLP width (HF moe_intermediate_size), e.g. 768.")
+    per_expert = {
+        ("mlp", "router"): HfTensor("mlp.gate.weight", TRANSPOSE),
+        ("mlp", "gate"): HfTensor("mlp.experts.{j}.gate_proj.weight", TRANSPOSE),
+        ("mlp", "up"): HfTensor("mlp.experts.{j}.up_proj.weight", TRANSPOSE),
+        ("mlp", "down"): HfTensor("mlp.experts.{j}.down_proj.weight", TRANSPOSE),
+    }
 
     def hf_defaults(self) -> dict[str, Any]:
         return _HF_DEFAULTS
@@ -108,16 +69,6 @@ class Qwen3Moe(Qwen3):
                       num_experts=model.num_experts, mlp_only_layers=[],
                       output_router_logits=False)
         return config
-
-    def hf_layer(self, model: ModelConfig, stack: str, fused: bool) -> dict[tuple, HfTensor]:
-        tensors = self.hf_per_layer(model)
-        if stack not in self.layout(model).routed:
-            return tensors
-        tensors = {p: t for p, t in tensors.items() if p not in _DENSE_MLP}
-        return {**tensors, **_ROUTER, **(_FUSED if fused else _PER_EXPERT)}
-
-    def hf_fused(self, names) -> bool:
-        return any(name.endswith(FUSED_MARK) for name in names)
 
 
 FAMILY = Qwen3Moe()
