@@ -124,14 +124,50 @@ def test_the_tiled_matmul_does_the_rows_work_not_every_experts():
         cost = jax.jit(f).lower(*args).compile().cost_analysis()
         return (cost[0] if isinstance(cost, list) else cost)["flops"]
 
-    grouped = lambda a, b, s: moe.tiled(rows, experts, s)(a, b)  # noqa: E731
-    sizes = jnp.asarray(sizes, jnp.int32)
-    assert ideal <= flops(grouped, lhs, rhs, sizes) <= 1.55 * ideal  # + the selects of `take`
+    def grouped(lhs, rhs, expert_of_row):  # into the tiles, multiplied, back: rows in order
+        tiles = moe.tiled(expert_of_row, 1, experts)
+        return tiles.to_tokens(tiles.matmul(tiles.from_tokens(lhs), rhs), rows)[:, 0]
+
+    expert_of_row = jnp.asarray(np.repeat(np.arange(experts), sizes), jnp.int32)
+    assert ideal <= flops(grouped, lhs, rhs, expert_of_row) <= 1.55 * ideal  # + the selects
     backward = jax.grad(lambda a, b, s: jnp.sum(grouped(a, b, s)), argnums=(0, 1))
-    assert flops(backward, lhs, rhs, sizes) <= 3 * 1.55 * ideal
+    assert flops(backward, lhs, rhs, expert_of_row) <= 3 * 1.55 * ideal
     expected = np.concatenate([np.full((n, width), dim * e) for e, n in enumerate(
-        np.asarray(sizes))])  # each row multiplied by its own expert's weight
-    np.testing.assert_array_equal(np.asarray(jax.jit(grouped)(lhs, rhs, sizes)), expected)
+        sizes)])  # each row multiplied by its own expert's weight
+    np.testing.assert_array_equal(np.asarray(jax.jit(grouped)(lhs, rhs, expert_of_row)),
+                                  expected)
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 4.0])
+def test_a_capacity_drops_the_rows_numpy_says_and_a_large_one_none(factor):
+    """With a capacity factor each expert takes its first ceil(factor · T·k / E) assignments in
+    token order (then top-k order) and drops the rest: one layer against NumPy running that
+    rule expert by expert; the logged dropped count too; and E/k x (every row fits) equals the
+    dropless output."""
+    block, ours, weights, normalize = hf_block("qwen3_moe")
+    router, gate, up, down = (np.asarray(w, np.float64) for w in weights)
+    x = np.random.default_rng(4).normal(size=(T, D)).astype(np.float32)
+    routing = moe.route(jnp.asarray(x), weights[0], K, normalize)
+    experts, gates = np.asarray(routing.experts_TxK), np.asarray(routing.weights_TxK, np.float64)
+    per_expert = moe.capacity(T * K, E, factor)
+    expected, taken, dropped = np.zeros((T, D)), np.zeros(E, int), 0
+    for t in range(T):
+        for j in range(K):
+            e = experts[t, j]
+            if taken[e] == per_expert:
+                dropped += 1
+                continue
+            taken[e] += 1
+            h = x[t] @ gate[e]
+            expected[t] += gates[t, j] * ((h / (1 + np.exp(-h))) * (x[t] @ up[e])) @ down[e]
+    y = moe.experts_mlp(jnp.asarray(x), routing, *weights[1:], GATED["silu"],
+                        capacity_factor=factor)
+    np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-5, atol=1e-5)
+    stats = moe.statistics(routing, factor)
+    assert float(stats["dropped"]) == dropped and (dropped > 0) == (factor < 1.5)
+    if factor == 4.0:
+        np.testing.assert_allclose(np.asarray(y), np.asarray(ours(jnp.asarray(x))[0]),
+                                   rtol=1e-5, atol=1e-6)
 
 
 def _fused_checkpoint(path, family, **changes):
@@ -232,3 +268,18 @@ def test_expert_lora_targets_are_refused_by_name():
     with pytest.raises(ConfigError, match=r"lora.targets=\['q', 'gate'\]: qwen3_moe_tiny is a "
                                           r"mixture of experts"):
         validation.validate(cfg)
+
+
+def test_a_step_logs_the_fraction_its_capacity_dropped():
+    """The train step's metrics: the dropped fraction with a capacity factor of 0.5 (at least
+    half the assignments past their expert's capacity), none when dropless."""
+    dropped = {}
+    for factor in ("0.5", "null"):
+        cfg = compose_config(*family_tiny("qwen3_moe", mesh_arg(1, 1),
+                                          f"model.moe_capacity_factor={factor}"))
+        setup = Setup.create(cfg, jax.devices()[:1])
+        data = setup.open_data()
+        _, metrics = setup.train_step()(setup.fresh_state(), next(data.train))
+        data.close()
+        dropped[factor] = float(metrics["moe_dropped_fraction"])
+    assert dropped["null"] == 0 and 0.5 <= dropped["0.5"] < 1, dropped

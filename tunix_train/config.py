@@ -55,6 +55,8 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.001  # the load-balancing loss's weight (HF config's)
     moe_matmul: str = "tiles"  # tiles (padded per expert, ~1.5x the work) | ragged_dot
     # (jax.lax.ragged_dot: XLA's CPU and GPU compilers multiply every row by every expert)
+    moe_capacity_factor: Optional[float] = None  # None = dropless; else each expert takes at
+    # most factor x its mean share of a micro-batch's rows, the rest dropped (logged)
     attention_impl: str = "auto"  # auto (cudnn on GPUs where it applies, else blockwise) | blockwise | cudnn | pallas | xla
     cp_exchange: str = "all_gather"  # how keys and values cross the cp axis: all_gather | ring
     unroll_layers: bool = False  # unroll the scans over layers: faster steps on CPU (1.4x on

@@ -82,15 +82,15 @@ class Experts(nnx.Module):
         self.down = param(scaled_normal(rngs, (E, F, D), F), "experts", "expert_mlp", "embed")
         self.gated = GATED[activation]
         self.top_k, self.normalize = cfg.experts_per_token, cfg.normalize_top_k
-        self.matmul = cfg.moe_matmul
+        self.matmul, self.capacity_factor = cfg.moe_matmul, cfg.moe_capacity_factor
 
     def __call__(self, x_BxLxD: jax.Array) -> tuple[jax.Array, moe.Statistics]:
         B, L, D = x_BxLxD.shape
         x_TxD = x_BxLxD.reshape(B * L, D)
         routing = moe.route(x_TxD, self.router[...], self.top_k, self.normalize)
         y_TxD = moe.experts_mlp(x_TxD, routing, self.gate[...], self.up[...], self.down[...],
-                                self.gated, self.matmul)
-        return y_TxD.reshape(B, L, D), moe.statistics(routing)
+                                self.gated, self.matmul, self.capacity_factor)
+        return y_TxD.reshape(B, L, D), moe.statistics(routing, self.capacity_factor)
 
 
 class DecoderLayer(nnx.Module):

@@ -9,11 +9,11 @@ transformers' implementations).
     statistics(routing) → Statistics: a layer's sums, added over layers (and stacks) by the
                           decoder, turned into the losses and metrics by `losses`/`metrics`
 
-Dropless by sorting: the T·k (token, expert) assignments are sorted by expert, so each
+Dropless by sorting: the T·k (token, expert) assignments are grouped by expert, so each
 expert's rows are contiguous; a grouped matmul multiplies each group of rows by its own
-expert's weight (`tiled` by default, `jax.lax.ragged_dot` on request), and the rows go back to
-their tokens, weighted, by a scatter-add. No token is dropped; the work is about the k experts'
-per token, not E's.
+expert's weight (`tiled` by default, `jax.lax.ragged_dot` on request), and each token gathers
+its k rows back, weighted. No token is dropped (unless a capacity says so); the work is about
+the k experts' per token, not E's.
 """
 
 from __future__ import annotations
@@ -48,27 +48,75 @@ def route(x_TxD: jax.Array, router_DxE: jax.Array, top_k: int, normalize: bool) 
 
 def experts_mlp(x_TxD: jax.Array, routing: Routing, gate_ExDxF: jax.Array, up_ExDxF: jax.Array,
                 down_ExFxD: jax.Array, gated: Callable[[jax.Array, jax.Array], jax.Array],
-                matmul: str = "tiles") -> jax.Array:
+                matmul: str = "tiles", capacity_factor: float | None = None) -> jax.Array:
     """Σ over each token's k experts of weight · down(gated(gate(x), up(x))), each expert's
-    projections applied to its own tokens only (`matmul`: how, `MATMULS`). Rows move between
-    token order and expert order by gathers both ways (`take`), never by a scatter."""
+    projections applied to its own tokens only. The tokens are gathered once into their
+    experts' rows (`Rows`: `matmul` says how they are laid out and multiplied, `MATMULS`), the
+    whole MLP runs there, and each token gathers its k results back: two gathers (and two in
+    the backward pass, `take`), never a scatter. With a `capacity_factor`, each expert takes at
+    most `capacity(...)` rows, the first in token order (then top-k order); the others are
+    dropped (they add nothing to their token's output)."""
     T, k = routing.experts_TxK.shape
     num_experts = gate_ExDxF.shape[0]
     expert_of_A = routing.experts_TxK.reshape(T * k)  # A = T·k assignments, token-major
-    order_A = jnp.argsort(expert_of_A, stable=True).astype(jnp.int32)  # grouped by expert
-    sorted_at_A = jnp.argsort(order_A).astype(jnp.int32)  # where each assignment went
-    sizes_E = jnp.bincount(expert_of_A, length=num_experts).astype(jnp.int32)
-    rows_AxD = take(x_TxD, order_A // k, sorted_at_A.reshape(T, k))
+    if capacity_factor is None:
+        rows = MATMULS[matmul](expert_of_A, k, num_experts)
+    else:
+        rows = capped(expert_of_A, k, num_experts,
+                      capacity(T * k, num_experts, capacity_factor))
     dtype = x_TxD.dtype
-    multiply = MATMULS[matmul](T * k, num_experts, sizes_E)
+    x_PxD = rows.from_tokens(x_TxD)
+    h_PxF = gated(rows.matmul(x_PxD, gate_ExDxF.astype(dtype)),
+                  rows.matmul(x_PxD, up_ExDxF.astype(dtype)))
+    y_PxD = rows.matmul(h_PxF, down_ExFxD.astype(dtype))
+    return jnp.einsum("tkd,tk->td", rows.to_tokens(y_PxD, T), routing.weights_TxK)
 
-    def grouped(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-        return multiply(lhs, rhs.astype(dtype))
 
-    h_AxF = gated(grouped(rows_AxD, gate_ExDxF), grouped(rows_AxD, up_ExDxF))
-    out_AxD = grouped(h_AxF, down_ExFxD)
-    out_TxKxD = take(out_AxD, sorted_at_A, order_A[:, None]).reshape(T, k, -1)
-    return jnp.einsum("tkd,tk->td", out_TxKxD, routing.weights_TxK)
+@dataclass(frozen=True)
+class Rows:
+    """Where a layer's assignments sit as the experts' rows (P of them, padding included):
+    row p holds token `token_P[p]` (-1: padding, zero), assignment a (token-major) sits at row
+    `row_A[a]` (-1: dropped), and `matmul` multiplies rows by their experts' weights."""
+
+    token_P: jax.Array
+    row_A: jax.Array
+    matmul: Callable[[jax.Array, jax.Array], jax.Array]  # [P, D] x [E, D, F] → [P, F]
+
+    def from_tokens(self, x_TxD: jax.Array) -> jax.Array:
+        """The rows [P, D] of the tokens [T, D] (padding and dropped: none)."""
+        T = x_TxD.shape[0]
+        return take(x_TxD, self.token_P, self.row_A.reshape(T, -1))
+
+    def to_tokens(self, y_PxD: jax.Array, tokens: int) -> jax.Array:
+        """Each token's k rows [T, k, D] (a dropped one: zeros)."""
+        P = y_PxD.shape[0]
+        used_P = jnp.full(P, -1, jnp.int32).at[_dropped_out(self.row_A, P)].set(
+            jnp.arange(self.row_A.shape[0], dtype=jnp.int32), mode="drop")
+        return take(y_PxD, self.row_A, used_P[:, None]).reshape(tokens, -1, y_PxD.shape[-1])
+
+
+def _sorted(expert_of_A: jax.Array, experts: int):
+    """The assignments grouped by expert (stable: token order within each): per expert its
+    count and where its group starts, and each assignment's expert and rank in its group."""
+    sizes_E = jnp.bincount(expert_of_A, length=experts).astype(jnp.int32)
+    start_E = jnp.cumsum(sizes_E) - sizes_E
+    order = jnp.argsort(expert_of_A, stable=True)
+    rank_A = jnp.zeros_like(expert_of_A).at[order].set(
+        jnp.arange(expert_of_A.shape[0], dtype=expert_of_A.dtype)) - start_E[expert_of_A]
+    return sizes_E, start_E, rank_A
+
+
+def _rows_from(row_A: jax.Array, k: int, count: int) -> jax.Array:
+    """token_P from row_A: which token each of `count` rows holds (-1: none)."""
+    A = row_A.shape[0]
+    return jnp.full(count, -1, jnp.int32).at[_dropped_out(row_A, count)].set(
+        jnp.arange(A, dtype=jnp.int32) // k, mode="drop")
+
+
+def _dropped_out(row_A: jax.Array, count: int) -> jax.Array:
+    """row_A with its -1s (dropped) past the end, where a scatter with mode="drop" ignores them
+    (at -1 it would write the last row)."""
+    return jnp.where(row_A >= 0, row_A, count)
 
 
 @jax.custom_vjp
@@ -107,42 +155,61 @@ def tile_rows(rows: int, experts: int) -> int:
     return min(256, max(8, 1 << int(math.log2(half_mean))))
 
 
-def tiled(rows: int, experts: int, sizes_E: jax.Array) -> Callable:
-    """A grouped matmul for rows sorted by expert (`sizes_E` of each): each expert's rows are
-    padded to whole tiles of `tile_rows` rows, every tile multiplied by its own expert's weight
-    in one batched matmul, and the rows taken back out. The shapes are static: A rows fill at
-    most (A + E·(tile - 1)) / tile tiles. Work and memory follow the rows, about 1.5x those of
-    the k experts a token goes to, where `jax.lax.ragged_dot` on XLA's CPU (and GPU) compiler
+def tiled(expert_of_A: jax.Array, k: int, experts: int) -> Rows:
+    """Each expert's rows padded to whole tiles of `tile_rows` rows, every tile multiplied by
+    its own expert's weight in one batched matmul. The shapes are static: A rows fill at most
+    (A + E·(tile - 1)) / tile tiles. Work and memory follow the rows, about 1.5x those of the k
+    experts a token goes to, where `jax.lax.ragged_dot` on XLA's CPU (and GPU) compiler
     multiplies every row by every expert (E times the work)."""
-    tile = tile_rows(rows, experts)
-    n_tiles = -(-(rows + experts * (tile - 1)) // tile)
+    A = expert_of_A.shape[0]
+    tile = tile_rows(A, experts)
+    n_tiles = -(-(A + experts * (tile - 1)) // tile)
+    sizes_E, _, rank_A = _sorted(expert_of_A, experts)
     tiles_E = (sizes_E + tile - 1) // tile
     first_tile_E = jnp.cumsum(tiles_E) - tiles_E
-    start_E = jnp.cumsum(sizes_E) - sizes_E
-    expert_A = jnp.repeat(jnp.arange(experts), sizes_E, total_repeat_length=rows)
-    slot_A = (first_tile_E[expert_A] * tile + jnp.arange(rows) - start_E[expert_A]).astype(
-        jnp.int32)
-    row_P = jnp.full(n_tiles * tile, -1, jnp.int32).at[slot_A].set(
-        jnp.arange(rows, dtype=jnp.int32), unique_indices=True)  # -1: padding
+    row_A = (first_tile_E[expert_of_A] * tile + rank_A).astype(jnp.int32)
     # Tile n's expert: how many experts' tiles end at or before it (unused tiles: the last).
     expert_N = jnp.minimum(jnp.searchsorted(jnp.cumsum(tiles_E), jnp.arange(n_tiles),
                                             side="right"), experts - 1)
 
-    def multiply(lhs_AxD: jax.Array, rhs_ExDxF: jax.Array) -> jax.Array:
-        padded = take(lhs_AxD, row_P, slot_A[:, None])
-        y_NxtxF = jnp.einsum("ntd,ndf->ntf", padded.reshape(n_tiles, tile, -1),
+    def matmul(lhs_PxD: jax.Array, rhs_ExDxF: jax.Array) -> jax.Array:
+        y_NxtxF = jnp.einsum("ntd,ndf->ntf", lhs_PxD.reshape(n_tiles, tile, -1),
                              rhs_ExDxF[expert_N])
-        return take(y_NxtxF.reshape(n_tiles * tile, -1), slot_A, row_P[:, None])
+        return y_NxtxF.reshape(n_tiles * tile, -1)
 
-    return multiply
-
-
-def ragged(rows: int, experts: int, sizes_E: jax.Array) -> Callable:
-    """`jax.lax.ragged_dot`: one grouped matmul, as fast as the compiler's lowering of it."""
-    return lambda lhs, rhs: jax.lax.ragged_dot(lhs, rhs, sizes_E)
+    return Rows(_rows_from(row_A, k, n_tiles * tile), row_A, matmul)
 
 
-# model.moe_matmul → (rows, experts, sizes) → (lhs [A, D], rhs [E, D, F]) → [A, F].
+def capacity(rows: int, experts: int, factor: float) -> int:
+    """Rows an expert takes with a capacity factor: factor × its mean share, rounded up."""
+    return max(1, math.ceil(factor * rows / experts))
+
+
+def capped(expert_of_A: jax.Array, k: int, experts: int, per_expert: int) -> Rows:
+    """Each expert's first `per_expert` rows in a block of its own, [E, C, D] × [E, D, F] in
+    one batched matmul; the rows past an expert's capacity are dropped."""
+    _, _, rank_A = _sorted(expert_of_A, experts)
+    row_A = jnp.where(rank_A < per_expert, expert_of_A * per_expert + rank_A, -1).astype(
+        jnp.int32)
+
+    def matmul(lhs_PxD: jax.Array, rhs_ExDxF: jax.Array) -> jax.Array:
+        y_ExCxF = jnp.einsum("ecd,edf->ecf", lhs_PxD.reshape(experts, per_expert, -1),
+                             rhs_ExDxF)
+        return y_ExCxF.reshape(experts * per_expert, -1)
+
+    return Rows(_rows_from(row_A, k, experts * per_expert), row_A, matmul)
+
+
+def ragged(expert_of_A: jax.Array, k: int, experts: int) -> Rows:
+    """The assignments sorted by expert, `jax.lax.ragged_dot` multiplying them: one grouped
+    matmul, as fast as the compiler's lowering of it."""
+    sizes_E, start_E, rank_A = _sorted(expert_of_A, experts)
+    row_A = (start_E[expert_of_A] + rank_A).astype(jnp.int32)
+    matmul = lambda lhs, rhs: jax.lax.ragged_dot(lhs, rhs, sizes_E)  # noqa: E731
+    return Rows(_rows_from(row_A, k, expert_of_A.shape[0]), row_A, matmul)
+
+
+# model.moe_matmul → (expert of each assignment, k, experts) → Rows.
 MATMULS = {"tiles": tiled, "ragged_dot": ragged}
 
 
@@ -160,12 +227,16 @@ def load_balancing_loss(probs_TxE: jax.Array, experts_TxK: jax.Array) -> jax.Arr
 Statistics = dict[str, jax.Array]
 
 
-def statistics(routing: Routing) -> Statistics:
+def statistics(routing: Routing, capacity_factor: float | None = None) -> Statistics:
+    """Also `dropped`: the assignments past their expert's capacity (0 when dropless)."""
     T, num_experts = routing.probs_TxE.shape
+    k = routing.experts_TxK.shape[1]
     assigned_E = jnp.zeros(num_experts, jnp.float32).at[routing.experts_TxK.reshape(-1)].add(1.0)
+    dropped = jnp.zeros((), jnp.float32) if capacity_factor is None else jnp.sum(
+        jnp.maximum(assigned_E - capacity(T * k, num_experts, capacity_factor), 0.0))
     return {"assigned_E": assigned_E, "probs_E": jnp.sum(routing.probs_TxE, axis=0),
             "z": jnp.sum(jnp.square(routing.logsumexp_T)),
-            "tokens": jnp.asarray(T, jnp.float32)}
+            "tokens": jnp.asarray(T, jnp.float32), "dropped": dropped}
 
 
 def total(stacks: list[Statistics | None]) -> Statistics | None:
@@ -196,10 +267,13 @@ def losses(stats: Statistics) -> dict[str, jax.Array]:
 
 
 # What a training step logs of a mixture of experts, each a mean over the step's tokens.
-METRICS = ("moe_aux_loss", "router_z_loss", "expert_load_max", "expert_load_min")
+METRICS = ("moe_aux_loss", "router_z_loss", "expert_load_max", "expert_load_min",
+           "moe_dropped_fraction")
 
 
 def load(stats: Statistics) -> dict[str, jax.Array]:
-    """The busiest and idlest experts' share of the routed tokens (k/E each at balance)."""
+    """The busiest and idlest experts' share of the routed tokens (k/E each at balance), and
+    the fraction of assignments dropped past an expert's capacity."""
     share_E = stats["assigned_E"] / stats["tokens"]
-    return {"expert_load_max": jnp.max(share_E), "expert_load_min": jnp.min(share_E)}
+    return {"expert_load_max": jnp.max(share_E), "expert_load_min": jnp.min(share_E),
+            "moe_dropped_fraction": stats["dropped"] / jnp.sum(stats["assigned_E"])}
