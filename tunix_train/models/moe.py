@@ -5,9 +5,8 @@ transformers' implementations).
 
     route(x_TxD, router_DxE, top_k, normalize)      → Routing (weights, experts, probs)
     experts_mlp(x_TxD, routing, gate, up, down, gated) → y_TxD
-    load_balancing_loss(probs_TxE, experts_TxK)      → Switch Transformer's auxiliary loss
     statistics(routing) → Statistics: a layer's sums, added over layers (and stacks) by the
-                          decoder, turned into the losses and metrics by `losses`/`metrics`
+                          decoder, turned into the losses and metrics by `losses`/`load`
 
 Dropless by sorting: the T·k (token, expert) assignments are grouped by expert, so each
 expert's rows are contiguous; a grouped matmul multiplies each group of rows by its own
@@ -211,15 +210,6 @@ def ragged(expert_of_A: jax.Array, k: int, experts: int) -> Rows:
 
 # model.moe_matmul → (expert of each assignment, k, experts) → Rows.
 MATMULS = {"tiles": tiled, "ragged_dot": ragged}
-
-
-def load_balancing_loss(probs_TxE: jax.Array, experts_TxK: jax.Array) -> jax.Array:
-    """Switch Transformer's auxiliary loss as transformers computes it
-    (`load_balancing_loss_func`): E · Σ_e (top-k assignments to e per token) · (mean router
-    probability of e); k at perfect balance, larger as the router favours some experts."""
-    T, num_experts = probs_TxE.shape
-    assigned_E = jnp.zeros(num_experts, jnp.float32).at[experts_TxK.reshape(-1)].add(1.0) / T
-    return num_experts * jnp.sum(assigned_E * jnp.mean(probs_TxE, axis=0))
 
 
 # A routed layer's sums (fp32), added over layers: `assigned_E` top-k assignments per expert,
