@@ -344,26 +344,21 @@ def _per_layer(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(d for d in shape[1:] if d != 1)
 
 
-# Known gap (issue 43): a routed layer's frozen `down` experts [E, F, D] come out of the layer
-# scan as residuals for the backward pass (one copy per layer), where the dense projections'
-# weights are read again; strict, so that the fix shows here.
-MIXTURES = ("qwen3_moe", "mixtral")
-NO_COPY_FAMILIES = [f if f not in MIXTURES else pytest.param(f, marks=pytest.mark.xfail(
-    strict=True, reason="the layer scan keeps the frozen experts' down weights"))
-    for f in FAMILIES]
-
-
-@pytest.mark.parametrize("family", NO_COPY_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_the_backward_pass_reads_the_frozen_weights_again_and_keeps_no_copy(family):
+    # 4 sequences: with 8, a routed layer's saved input [8, 32, 64] would look like its frozen
+    # `down` experts [E 8, F 32, D 64].
     cfg = lora_config(family, mesh_arg(1, 1), "training.mixed_precision=bf16",
-                      "training.remat=full")  # one device: the scan sees whole weights
-    setup = Setup.create(cfg, jax.devices()[:1])
+                      "training.remat=full", "training.micro_batch_size=4")
+    setup = Setup.create(cfg, jax.devices()[:1])  # one device: the scan sees whole weights
     loss_fn, extra = cli.task_of(cfg.trainer.name).loss(cfg)
     traced = setup.train_step(loss_fn).trace(setup.state.with_shardings(),
                                              setup.abstract_batch(extra))
     frozen = {(_per_layer(leaf.shape), leaf.dtype)
               for leaf in jax.tree.leaves(setup.state.abstract[state_lib.FROZEN]) if leaf.ndim >= 3}
     assert frozen, "no stacked frozen projection: the test would check nothing"
+    saved_input = (4, cfg.data.seq_len, cfg.model.embed_dim)  # what remat=full keeps per layer
+    assert not {f for f in frozen if f[0] == saved_input}, "a layer's input looks like a weight"
     copies = [out for out in _scan_outputs(traced.jaxpr.jaxpr)
               if out.ndim >= 3 and (_per_layer(out.shape), out.dtype) in frozen]
     assert not copies, f"the layer scan stacks copies of frozen weights: {copies}"
