@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import (REPO, ONE_STACK, cli_env, compose_config, family_tiny, run_cli,
-                     sigterm_when_paused)
+from helpers import (REPO, FAMILY_MODELS, ONE_STACK, cli_env, compose_config, family_tiny,
+                     run_cli, sigterm_when_paused)
 from tunix_train.data import demo
 from tunix_train.data import tokenizer as tokenizer_lib
 from tunix_train.grpo import objective as objective_lib
@@ -148,11 +148,15 @@ def rollouts_on(sums: Path, mesh: str, devices: int, *extra: str):
     return setup, maker, maker.make(policy, prompts[:4], jax.random.key(1)), policy
 
 
-@pytest.mark.parametrize("mesh,devices", [("[[1,1],[fsdp,tp]]", 1), ("[[2,2],[fsdp,tp]]", 4),
-                                          ("[[2,2,2],[fsdp,cp,tp]]", 8)])
+# Mixtral: a mixture of experts routes each sampled token as teacher forcing routes it.
+@pytest.mark.parametrize("mesh,devices,family", [
+    ("[[1,1],[fsdp,tp]]", 1, None), ("[[2,2],[fsdp,tp]]", 4, None),
+    ("[[2,2,2],[fsdp,cp,tp]]", 8, None), ("[[2,2],[fsdp,tp]]", 4, "mixtral")])
 def test_the_samplers_log_probs_are_the_tempered_policy_scored_by_teacher_forcing(sums, mesh,
-                                                                                    devices):
-    setup, maker, r, policy = rollouts_on(sums, mesh, devices)
+                                                                                    devices,
+                                                                                    family):
+    setup, maker, r, policy = rollouts_on(sums, mesh, devices,
+                                          *FAMILY_MODELS.get(family, []))
     batch = maker.update_batch(r, "token-mean")
     scored = np.asarray(reference_scorer(setup, 0.7)(
         policy, on_devices(batch, setup.batch_sharding)))
