@@ -190,3 +190,16 @@ def test_the_ring_visits_each_causal_tile_once_and_a_window_only_the_neighbours(
     assert sorted(seen) == sorted((j, q) for q in range(2 * cp) for j in range(q + 1))
     _, local = context._ring_tables(cp, 1, 64, window=32)
     assert [t.shape[1] for t in local] == [1, 0, 1]
+
+
+def test_each_gradient_is_summed_over_the_data_axes_that_hold_copies_of_its_parameter():
+    """Per parameter, not per mesh: cp devices compute on other tokens, so every weight (split
+    over fsdp × cp by ZeRO-3, or whole) is summed over fsdp and cp; a data axis that splits a
+    weight by itself (as an expert-parallel axis splits experts) holds no copies to sum."""
+    cfg = compose_config(*family_tiny("qwen3_moe"), "model.mesh_shape=[[2,2,2],[fsdp,cp,tp]]")
+    sync = Setup.create(cfg, jax.devices()).options.sync
+    specs = jax.tree.leaves(sync.grad_specs, is_leaf=lambda x: isinstance(x, P))
+    assert any("cp" in str(spec) for spec in specs)  # ZeRO's split over fsdp × cp is there
+    assert {sync.reduction_group(spec) for spec in specs} == {("fsdp", "cp")}
+    assert sync.reduction_group(P("cp", ("fsdp",), "tp")) == ("fsdp",)
+    assert sync.reduction_group(P(None, ("fsdp", "cp"), "tp")) == ("fsdp", "cp")

@@ -102,6 +102,16 @@ class GradientSync:
         them (fsdp's rows, cp's chunks of each row)."""
         return (FSDP, CP) if self.cp > 1 else (FSDP,)
 
+    def reduction_group(self, spec: P) -> tuple[str, ...]:
+        """The devices one parameter's gradient is summed over: the data axes over which it has
+        copies. ZeRO's split (the dimension over fsdp, with cp and pp: spread_over_ranks) is
+        of copies, reduce-scattered; a data axis that splits the parameter on its own holds
+        other slices of it, not copies, and is left out. So expert parallelism adds an axis
+        that is a data axis for every weight but the experts split over it. (Today no data
+        axis splits a parameter outside ZeRO's group: every group is `data_group`.)"""
+        splits = {name for entry in spec if FSDP not in _names(entry) for name in _names(entry)}
+        return tuple(axis for axis in self.data_group if axis not in splits)
+
     @property
     def reductions_per_step(self) -> int:
         return self.accumulation_steps // self.sync_every
@@ -175,7 +185,7 @@ def _hows(sync: GradientSync, params: Any) -> Any:
                     _without_fsdp(param_spec, shift), reduce,
                     _summed_over_pp(sync, grad_spec),
                     sync.compute_dtype, sync.reduce_dtype, _local_dtype(sync, reduce),
-                    sync.data_group)
+                    sync.reduction_group(grad_spec))
 
     return jax.tree.map(how, params, sync.param_specs, sync.grad_specs, sync.stacked)
 
@@ -224,7 +234,7 @@ def _reduce_all(sync: GradientSync, grads: Any) -> Any:
     def reduce(grad, spec):
         return blockwise(lambda g: reduce_one(g.astype(sync.reduce_dtype), _fsdp_axis(spec),
                                                 _fsdp_group(spec), _summed_over_pp(sync, spec),
-                                                sync.data_group),
+                                                sync.reduction_group(spec)),
                           _without_fsdp(spec))(grad).astype(jnp.float32)
 
     with jax.named_scope(SYNC_SCOPE):
@@ -319,7 +329,7 @@ def _frozen_fetches(sync: GradientSync, local_frozen: Any) -> Any:
             gather = _fsdp_axis(spec)
             how = How(None if gather is None else gather - shift, None, _fsdp_group(spec), (),
                       _without_fsdp(spec, shift), False, False, leaf.dtype, sync.reduce_dtype,
-                      leaf.dtype, sync.data_group)
+                      leaf.dtype, sync.reduction_group(spec))
             return Fetch(leaf, leaf, how)
         return jax.tree.map(one, leaves, specs, is_leaf=lambda x: isinstance(x, P))
 
