@@ -6,6 +6,8 @@ training loss it is added to), and the router's losses on a mesh against one dev
 also runs the shared matrices: test_hf.py (import, export, generation), test_train_step.py
 (meshes, pipeline, ZeRO, resume) and test_lora.py."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -229,35 +231,42 @@ def test_fused_experts_with_renormalised_weights_give_transformers_logits_and_lo
     np.testing.assert_allclose(float(loss_sum) / tokens_counted, out.loss.item(), rtol=1e-5)
 
 
-ROUTER_LOSSES = ["training.moe_aux_loss_weight=0.5", "training.router_z_loss_weight=0.1",
-                 "training.global_batch_size=8"]
+ROUTER_LOSSES = ["model.num_layers=7", "training.moe_aux_loss_weight=0.5",
+                 "training.router_z_loss_weight=0.1", "training.global_batch_size=8"]
 
 
-def test_the_router_losses_on_a_mesh_equal_one_device_grouped_alike():
+def test_the_router_losses_on_a_mesh_and_a_pipeline_equal_one_device_grouped_alike():
     """The router's losses are a batch's: each device's micro-batch's (as transformers computes
-    them per forward pass). fsdp 4 x tp 2 with 1 row per device and 2 accumulation steps groups
-    the rows as one device does with 1 row and 8 steps: the same losses (1e-5), which the
-    router's losses change (against them off)."""
-    one = compose_config(*family_tiny("qwen3_moe", mesh_arg(1, 1), *ROUTER_LOSSES,
-                                      "training.gradient_accumulation_steps=8"))
-    mesh = compose_config(*family_tiny("qwen3_moe", mesh_arg(4, 2), *ROUTER_LOSSES,
-                                       "training.gradient_accumulation_steps=2"))
-    off = compose_config(*family_tiny("qwen3_moe", mesh_arg(1, 1), *ROUTER_LOSSES,
-                                      "training.gradient_accumulation_steps=8",
-                                      "training.moe_aux_loss_weight=0",
-                                      "training.router_z_loss_weight=0"))
-    reference, _ = train_losses(one, 3, jax.devices()[:1])
-    losses, _ = train_losses(mesh, 3, jax.devices()[:8])
-    np.testing.assert_allclose(losses, reference, rtol=1e-5)
-    without, _ = train_losses(off, 3, jax.devices()[:1])
+    them per forward pass). One device with 2 rows and 4 accumulation steps groups the rows as
+    fsdp 4 x tp 2 with 2 rows per device does, and as pp 2 x fsdp 2 x tp 2 with 2 rows and 2
+    steps, where each stage's statistics (its layers, over the M = 2 pipeline micro-batches it
+    ran, idle iterations left out) are summed over pp; Qwen 3 MoE's 7 layers make 3 blocks of
+    a dense and a routed layer, so a routed block is left over after the 2 stages. The same
+    losses (1e-5), which the router's losses change (against them off)."""
+    def losses(mesh: str, accumulation: int, *extra: str) -> np.ndarray:
+        cfg = compose_config(*family_tiny("qwen3_moe", mesh, *ROUTER_LOSSES,
+                                          f"training.gradient_accumulation_steps={accumulation}",
+                                          *extra))
+        devices = math.prod(cfg.model.mesh_shape[0])
+        return train_losses(cfg, 3, jax.devices()[:devices])[0]
+
+    reference = losses(mesh_arg(1, 1), 4)
+    np.testing.assert_allclose(losses(mesh_arg(4, 2), 1), reference, rtol=1e-5)
+    np.testing.assert_allclose(losses(mesh_of([[2, 2, 2], ["pp", "fsdp", "tp"]]), 2,
+                                      "training.pipeline_microbatches=2"), reference, rtol=1e-5)
+    without = losses(mesh_arg(1, 1), 4, "training.moe_aux_loss_weight=0",
+                     "training.router_z_loss_weight=0")
     assert np.all(reference - without > 0.5)  # the weighted aux loss alone is about 0.5 x 2
 
 
-def test_router_losses_on_a_pipeline_are_refused_by_name():
+def test_router_losses_on_a_pipeline_whose_stages_do_not_divide_its_microbatches_are_refused():
     cfg = compose_config(*family_tiny("qwen3_moe", mesh_of([[2, 2, 2], ["pp", "fsdp", "tp"]]),
-                                      "training.moe_aux_loss_weight=0.01"))
-    with pytest.raises(ConfigError, match=r"training.moe_aux_loss_weight=0.01 and "
-                                          r"training.router_z_loss_weight=0.0: the pipeline"):
+                                      "training.moe_aux_loss_weight=0.01",
+                                      "training.global_batch_size=12",
+                                      "training.pipeline_microbatches=3"))
+    with pytest.raises(ConfigError, match=r"training.pipeline_microbatches=3 on pp=2 with the "
+                                          r"router's losses on \(training.moe_aux_loss_weight="
+                                          r"0.01, training.router_z_loss_weight=0.0\): set"):
         Setup.create(cfg, jax.devices()[:8])
 
 

@@ -224,17 +224,19 @@ class Decoder(nnx.Module):
         return constrain(x_BxLxD, ("act_batch", "act_seq", "act_embed"))
 
     def blocks(self, x_BxLxD: jax.Array, ropes: dict[str, rope.CosSin],
-               segment_ids_BxL: jax.Array | None) -> jax.Array:
+               segment_ids_BxL: jax.Array | None) -> tuple[jax.Array, moe.Statistics | None]:
         """The blocks whose layers this module holds: all of them, or one pipeline stage's
-        chunk when the stacks are one (parallel/pipeline.py)."""
+        chunk when the stacks are one (parallel/pipeline.py); and their routed layers' router
+        statistics summed (None when none routes)."""
         steps = self._scan_steps(ropes, segment_ids_BxL, self.layout.block_stacks)
-        x_BxLxD, _ = self._run_blocks(x_BxLxD, steps, self._layer_xs(self.layout.block_stacks))
-        return x_BxLxD
+        x_BxLxD, ys = self._run_blocks(x_BxLxD, steps, self._layer_xs(self.layout.block_stacks))
+        return x_BxLxD, moe.total(list(ys.values()))
 
     def tail(self, x_BxLxD: jax.Array, ropes: dict[str, rope.CosSin],
-             segment_ids_BxL: jax.Array | None) -> jax.Array:
-        """The trailing layers and the final norm."""
-        return self._tail(x_BxLxD, ropes, segment_ids_BxL)[0]
+             segment_ids_BxL: jax.Array | None) -> tuple[jax.Array, moe.Statistics | None]:
+        """The trailing layers and the final norm; their router statistics, as `blocks`."""
+        x_BxLxD, ys = self._tail(x_BxLxD, ropes, segment_ids_BxL)
+        return x_BxLxD, moe.total(ys)
 
     def _tail(self, x_BxLxD, ropes, segment_ids_BxL) -> tuple[jax.Array, list]:
         stacks, ys = self.layout.trailing_stacks, []

@@ -256,6 +256,25 @@ def losses(stats: Statistics) -> dict[str, jax.Array]:
     return {"moe_aux_loss": aux, "router_z_loss": stats["z"] / n}
 
 
+def added(*parts: Statistics | None) -> Statistics | None:
+    """Statistics of layers apart (each already summed over its layers) added up."""
+    parts = [p for p in parts if p is not None]
+    return jax.tree.map(lambda *a: sum(a), *parts) if parts else None
+
+
+def with_router_losses(loss_sum: jax.Array, tokens: jax.Array, stats: Statistics | None,
+                       weights: LossWeights) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """A micro-batch's token-loss sum with the router's losses added once per counted token
+    (as transformers adds them to the mean token loss), and the `METRICS` as sums over those
+    tokens; unchanged, and no metrics, for a dense model (`stats` None)."""
+    if stats is None:
+        return loss_sum, {}
+    terms = losses(stats)
+    loss_sum = loss_sum + tokens * (weights.aux * terms["moe_aux_loss"]
+                                    + weights.z * terms["router_z_loss"])
+    return loss_sum, {name: value * tokens for name, value in {**terms, **load(stats)}.items()}
+
+
 # What a training step logs of a mixture of experts, each a mean over the step's tokens.
 METRICS = ("moe_aux_loss", "router_z_loss", "expert_load_max", "expert_load_min",
            "moe_dropped_fraction")

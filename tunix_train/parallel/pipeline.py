@@ -57,21 +57,24 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tunix_train.models import params as model_params
+from tunix_train.models import moe, params as model_params
 from tunix_train.models.head import VocabChunks
 from tunix_train.parallel.collectives import cpu_safe_reduction
 from tunix_train.parallel.mesh import PP
 from tunix_train.parallel.stages import Schedule, Stages
 
 
-def rotate(stage_fn: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
-           inputs_MxBxLxD: jax.Array, plan: Schedule, unroll: bool = False) -> jax.Array:
-    """Runs `stage_fn(x, micro-batch index, round)` (this stage's layers, its chunk of that
-    round) over the M micro-batches, `plan.repeats` rounds each, inside a shard_map manual over
-    pp: GPipe order with one round, circular with more. Returns this stage's share of the last
-    stage's final outputs: micro-batches [s·k, (s+1)·k) with k = `plan.per_stage`, zero past M.
-    `unroll` (`model.unroll_layers`) unrolls the iterations; compile time then grows with them.
-    Rolled or not is a measurement per machine (docs/performance.md, pipeline bubble)."""
+def rotate(stage_fn: Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]],
+           inputs_MxBxLxD: jax.Array, plan: Schedule, unroll: bool = False
+           ) -> tuple[jax.Array, Any]:
+    """Runs `stage_fn(x, micro-batch index, round)` → (y, sums) (this stage's layers, its chunk
+    of that round, and a pytree of sums over them, e.g. router statistics) over the M
+    micro-batches, `plan.repeats` rounds each, inside a shard_map manual over pp: GPipe order
+    with one round, circular with more. Returns this stage's share of the last stage's final
+    outputs: micro-batches [s·k, (s+1)·k) with k = `plan.per_stage`, zero past M; and this
+    stage's sums over its own work (idle iterations left out). `unroll`
+    (`model.unroll_layers`) unrolls the iterations; compile time then grows with them. Rolled
+    or not is a measurement per machine (docs/performance.md, pipeline bubble)."""
     stage = jax.lax.axis_index(PP)
     last, M, rounds = plan.stages - 1, plan.microbatches, plan.repeats
     edges = [(s, s + 1) for s in range(last)] + ([(last, 0)] if rounds > 1 else [])
@@ -87,12 +90,14 @@ def rotate(stage_fn: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
             first = jnp.where(t < M, first, parked[t % M])
         x = jnp.where(stage == 0, first, incoming)
         work = jnp.clip(t - stage, 0, rounds * M - 1)  # this stage's (round, micro-batch)
-        y = stage_fn(x, work % M, work // M)
-        return (jax.lax.ppermute(y, PP, edges), parked), y
+        y, sums = stage_fn(x, work % M, work // M)
+        busy = (t >= stage) & (t - stage < rounds * M)  # else it repeats clipped work
+        sums = jax.tree.map(lambda v: jnp.where(busy, v, jnp.zeros_like(v)), sums)
+        return (jax.lax.ppermute(y, PP, edges), parked), (y, sums)
 
     carry = (jnp.zeros_like(inputs_MxBxLxD[0]),
              jnp.zeros_like(inputs_MxBxLxD) if rounds > 1 else None)
-    _, ys = jax.lax.scan(iteration, carry, jnp.arange(plan.iterations), unroll=unroll)
+    _, (ys, sums) = jax.lax.scan(iteration, carry, jnp.arange(plan.iterations), unroll=unroll)
     # The last stage finishes micro-batch m's last round at iteration (v - 1)·M + m + pp - 1.
     outputs = ys[(rounds - 1) * M + last:]
     slots = plan.per_stage * plan.stages
@@ -100,14 +105,20 @@ def rotate(stage_fn: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
                                                    outputs.dtype)])
     # Only the last stage's buffer holds outputs: summing with the others' zeros scatters them.
     outputs = jnp.where(stage == last, outputs, jnp.zeros_like(outputs))
-    return cpu_safe_reduction(
+    spread = cpu_safe_reduction(
         lambda x: jax.lax.psum_scatter(x, PP, scatter_dimension=0, tiled=True))(outputs)
+    return spread, jax.tree.map(lambda v: jnp.sum(v, axis=0), sums)
 
 
 def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: dict, plan: Schedule,
-              vocab_chunks: VocabChunks = VocabChunks()) -> tuple[jax.Array, dict]:
+              vocab_chunks: VocabChunks = VocabChunks(),
+              router: moe.LossWeights = moe.LossWeights()) -> tuple[jax.Array, dict]:
     """training/train_step.py's `loss_sums` on one pipeline stage: this stage's share of the
-    loss sum and token count over one [B, L] micro-batch (summed over pp by the caller)."""
+    loss sum and token count over one [B, L] micro-batch (summed over pp by the caller). A
+    mixture of experts' router statistics, of every stage's layers over all M micro-batches,
+    are summed over pp first: each stage adds the router's losses of the whole micro-batch
+    once per token of its share. (The layers after the stages also route the zero
+    micro-batches past M: setup refuses the router's losses where pp does not divide M.)"""
     model = nnx.merge(graphdef, params)  # outside the blocks: the embedding, trailing layers, head
     split = Stages.of(model.layout, plan.stages, plan.repeats)
     stage_stacks, after = _stage_stacks(graphdef, params, split)
@@ -127,16 +138,23 @@ def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: dict, plan: Schedule,
                                 None if segments_M is None else segments_M[micro])
 
     embedded = _micro_batches(model.embed(batch["inputs"]), plan)
-    outputs = rotate(stage_fn, embedded, plan, model.cfg.unroll_layers)
+    outputs, stats = rotate(stage_fn, embedded, plan, model.cfg.unroll_layers)
     hidden = outputs.reshape(-1, length, outputs.shape[-1])
     ropes = jax.tree.map(lambda t: _stage_share(t, plan), ropes)
     segments = None if segments is None else _stage_share(segments, plan)
+    after_stats = None
     if after is not None:  # the leftover blocks
-        hidden = after.blocks(hidden, ropes, segments)
-    hidden = model.tail(hidden, ropes, segments)
+        hidden, after_stats = after.blocks(hidden, ropes, segments)
+    hidden, tail_stats = model.tail(hidden, ropes, segments)
     token_loss = model.head_losses(hidden, _stage_share(batch["targets"], plan), vocab_chunks)
     weights = _stage_share(batch["weights"], plan)
-    return jnp.sum(token_loss * weights), {"tokens": jnp.sum(weights)}
+    stats = moe.added(stats, after_stats, tail_stats)
+    if stats is not None:
+        stats = jax.lax.psum(stats, PP)  # fp32 sums
+    tokens = jnp.sum(weights)
+    loss_sum, metrics = moe.with_router_losses(jnp.sum(token_loss * weights), tokens, stats,
+                                               router)
+    return loss_sum, {"tokens": tokens, **metrics}
 
 
 def _round_chunk(graphdef: nnx.GraphDef, params: Any, stage_stacks: dict[str, Any],

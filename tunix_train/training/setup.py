@@ -62,7 +62,6 @@ class Setup:
         shape = mesh_lib.parse(cfg.model.mesh_shape, len(devices))
         t = cfg.training
         stages.check_layers(cfg.model, shape.pp, t.pipeline_repeats)
-        _check_router_losses_on_pp(cfg, shape.pp)
         mesh = mesh_lib.create_mesh(shape, devices, processes_per_node)
         params = ParamLayout.create(cfg.model, mesh, t.zero_stage, t.remat, t.mixed_precision,
                                     t.pipeline_repeats, cfg.lora)
@@ -304,11 +303,12 @@ def step_options(cfg: Config, params: ParamLayout, batch: BatchShape) -> StepOpt
     plan = None if pp == 1 else stages.schedule(pp, batch.rows // sync.fsdp,
                                                 cfg.training.pipeline_microbatches,
                                                 cfg.training.pipeline_repeats)
-    lora, t = cfg.lora, cfg.training
+    lora, t, router = cfg.lora, cfg.training, router_loss_weights(cfg)
+    _check_router_losses_on_pp(cfg, router, plan)
     return StepOptions(compute_dtype=dtype, sync=sync, mesh=params.mesh,
                        rules=params.rules.params, vocab_chunks=chunks, pipeline=plan,
                        dropout_seed=t.seed if lora.on and lora.dropout else None,
-                       router=router_loss_weights(cfg))
+                       router=router)
 
 
 def router_loss_weights(cfg: Config) -> moe.LossWeights:
@@ -322,14 +322,17 @@ def router_loss_weights(cfg: Config) -> moe.LossWeights:
     return moe.LossWeights(aux, t.router_z_loss_weight)
 
 
-def _check_router_losses_on_pp(cfg: Config, pp: int) -> None:
-    weights = router_loss_weights(cfg)
-    if pp > 1 and (weights.aux or weights.z):
-        raise ConfigError(
-            f"training.moe_aux_loss_weight={weights.aux} and training.router_z_loss_weight="
-            f"{weights.z}: the pipeline schedule (pp={pp}) does not carry the router's losses "
-            f"through its stages yet; set both to 0 to train {cfg.model.name} on a pp mesh "
-            f"without them, or use a mesh without pp.")
+def _check_router_losses_on_pp(cfg: Config, weights: moe.LossWeights,
+                               plan: stages.Schedule | None) -> None:
+    """The pipeline's last layers run this stage's share of the M micro-batches, zeros past M
+    included: their router statistics would count those (parallel/pipeline.py)."""
+    if plan is None or not (weights.aux or weights.z) or plan.microbatches % plan.stages == 0:
+        return
+    raise ConfigError(
+        f"training.pipeline_microbatches={plan.microbatches} on pp={plan.stages} with the "
+        f"router's losses on (training.moe_aux_loss_weight={weights.aux}, "
+        f"training.router_z_loss_weight={weights.z}): set training.pipeline_microbatches to a "
+        f"multiple of {plan.stages}, or both weights to 0.")
 
 
 def batch_shape(training: TrainingConfig, seq_len: int, fsdp_size: int) -> BatchShape:

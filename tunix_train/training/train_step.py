@@ -57,13 +57,9 @@ def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: Batch,
                                          vocab_chunks)
     weights_BxL = batch["weights"]
     tokens = jnp.sum(weights_BxL)
-    loss_sum, sums = jnp.sum(token_loss_BxL * weights_BxL), {"tokens": tokens}
-    if stats is not None:
-        terms = moe.losses(stats)
-        router_loss = router.aux * terms["moe_aux_loss"] + router.z * terms["router_z_loss"]
-        loss_sum += tokens * router_loss
-        sums.update({name: value * tokens for name, value in {**terms, **moe.load(stats)}.items()})
-    return loss_sum, sums
+    loss_sum, metrics = moe.with_router_losses(jnp.sum(token_loss_BxL * weights_BxL), tokens,
+                                               stats, router)
+    return loss_sum, {"tokens": tokens, **metrics}
 
 
 # (graphdef, params, micro-batch, vocab chunks) → (loss sum, sums with "tokens"): the loss a
@@ -101,7 +97,7 @@ def train_step_fn(layout: StateLayout, optimizer: optax.GradientTransformation,
                              "trainer's loss cannot run on a pp mesh")
         micro_loss_fn = partial(pipeline.loss_sums, plan=options.pipeline)
 
-    routed = {"router": options.router} if micro_loss_fn is loss_sums else {}
+    routed = {"router": options.router} if loss_fn is loss_sums else {}
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         micro_loss = with_dropout(partial(micro_loss_fn, layout.params.graphdef,
