@@ -6,6 +6,8 @@ training loss it is added to), and the router's losses on a mesh against one dev
 also runs the shared matrices: test_hf.py (import, export, generation), test_train_step.py
 (meshes, pipeline, ZeRO, resume) and test_lora.py."""
 
+import contextlib
+import io
 import math
 
 import jax
@@ -13,11 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.ad_checkpoint import print_saved_residuals
 
 from helpers import compose_config, family_tiny, mesh_arg, mesh_of, train_losses
 from tunix_train import cli
 from tunix_train.config import ConfigError
 from tunix_train.models import hf_weights, moe
+from tunix_train.models.decoder import REMAT_POLICIES
 from tunix_train.models.layers import GATED
 from tunix_train.training.setup import Setup
 from tunix_train.training.train_step import loss_sums
@@ -107,6 +111,27 @@ def test_gradients_equal_the_dense_computation_of_every_expert(matmul):
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(reference)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
     assert float(jnp.abs(ours[1][1]).sum()) > 0  # the experts' weights got gradients
+
+
+@pytest.mark.parametrize("matmul", sorted(moe.MATMULS))
+def test_save_dots_keeps_the_experts_three_projections_as_it_keeps_a_dense_layers(matmul):
+    """Recomputing them in the backward pass was a third of the expert matmuls' time."""
+    _, _, weights, normalize = hf_block("qwen3_moe_norm")
+    x = jnp.ones((T, D))
+
+    def saved(remat: str) -> str:
+        def layer(x, weights):
+            router, gate, up, down = weights
+            return moe.experts_mlp(x, moe.route(x, router, K, normalize), gate, up, down,
+                                   GATED["silu"], matmul)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            print_saved_residuals(jax.checkpoint(layer, policy=REMAT_POLICIES[remat]), x,
+                                  weights)
+        return out.getvalue()
+
+    assert saved("save_dots").count("named 'projection'") == 3
+    assert "named 'projection'" not in saved("full")
 
 
 def test_the_tiled_matmul_does_the_rows_work_not_every_experts():

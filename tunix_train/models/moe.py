@@ -23,6 +23,9 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from tunix_train.models.layers import PROJECTION
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,9 @@ def experts_mlp(x_TxD: jax.Array, routing: Routing, gate_ExDxF: jax.Array, up_Ex
     whole MLP runs there, and each token gathers its k results back: two gathers (and two in
     the backward pass, `take`), never a scatter. With a `capacity_factor`, each expert takes at
     most `capacity(...)` rows, the first in token order (then top-k order); the others are
-    dropped (they add nothing to their token's output)."""
+    dropped (they add nothing to their token's output). The three projections' outputs are
+    named as a dense layer's are (`PROJECTION`), so `training.remat=save_dots` keeps them for
+    the backward pass rather than multiplying again."""
     T, k = routing.experts_TxK.shape
     num_experts = gate_ExDxF.shape[0]
     expert_of_A = routing.experts_TxK.reshape(T * k)  # A = T·k assignments, token-major
@@ -65,9 +70,12 @@ def experts_mlp(x_TxD: jax.Array, routing: Routing, gate_ExDxF: jax.Array, up_Ex
                       capacity(T * k, num_experts, capacity_factor))
     dtype = x_TxD.dtype
     x_PxD = rows.from_tokens(x_TxD)
-    h_PxF = gated(rows.matmul(x_PxD, gate_ExDxF.astype(dtype)),
-                  rows.matmul(x_PxD, up_ExDxF.astype(dtype)))
-    y_PxD = rows.matmul(h_PxF, down_ExFxD.astype(dtype))
+
+    def project(lhs_PxI: jax.Array, weight_ExIxO: jax.Array) -> jax.Array:
+        return checkpoint_name(rows.matmul(lhs_PxI, weight_ExIxO.astype(dtype)), PROJECTION)
+
+    h_PxF = gated(project(x_PxD, gate_ExDxF), project(x_PxD, up_ExDxF))
+    y_PxD = project(h_PxF, down_ExFxD)
     return jnp.einsum("tkd,tk->td", rows.to_tokens(y_PxD, T), routing.weights_TxK)
 
 
