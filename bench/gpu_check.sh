@@ -63,7 +63,8 @@ together() {  # command...: runs it in the background, GPU_CHECK_JOBS at most at
 small=()  # the sizes a CPU can run, with GPU_CHECK_SCALE=cpu
 if [ "${GPU_CHECK_SCALE:-gpu}" = cpu ]; then
   small=(model.num_layers=2 model.embed_dim=64 model.hidden_dim=128 model.head_dim=16
-         model.num_heads=2 model.num_kv_heads=1 model.vocab_size=512 model.sliding_window=16)
+         model.num_heads=2 model.num_kv_heads=1 model.vocab_size=512 model.sliding_window=16
+         model.expert_hidden_dim=32)
 fi
 one=('model.mesh_shape=[[1,1],["fsdp","tp"]]')
 train() {  # name, overrides...: compile and 2 steps, bf16, in a run dir of its own
@@ -111,6 +112,14 @@ together profile
 together train family-gemma3 model=gemma3_1b model.num_layers=2 "${seq2k[@]}"
 together train family-llama3 model=llama3_2_1b model.num_layers=2 "${seq2k[@]}"
 together train family-qwen3 model=qwen3_0_6b model.num_layers=2 "${seq2k[@]}"
+# The mixtures of experts at their published widths with fewer experts (so that 4 checks share
+# the GPU): dropless tiles (the default), jax.lax.ragged_dot and a capacity factor.
+moe=(model=qwen3_30b_a3b model.num_layers=2 model.num_experts=16 "${seq2k[@]}")
+together train family-qwen3_moe "${moe[@]}"
+together train moe-ragged_dot "${moe[@]}" model.moe_matmul=ragged_dot
+together train moe-capacity "${moe[@]}" model.moe_capacity_factor=1.25
+together train family-mixtral model=mixtral_8x7b model.num_layers=1 model.num_experts=4 \
+  "${seq2k[@]}"
 # Recomputation policies.
 for remat in none save_dots full; do
   together train "remat-$remat" model=gemma3_270m model.num_layers=2 training.remat=$remat \
