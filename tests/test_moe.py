@@ -295,6 +295,27 @@ def test_router_losses_on_a_pipeline_whose_stages_do_not_divide_its_microbatches
         Setup.create(cfg, jax.devices()[:8])
 
 
+def test_tokamax_trains_with_the_tiles_losses_and_is_refused_where_it_cannot_run(monkeypatch):
+    """model.moe_matmul=tokamax on fsdp 4 (on a CPU tokamax runs XLA's ragged_dot; its Pallas
+    kernels run in bench/gpu_check.sh): the losses of tiles (1e-5). Refused by name on a tp mesh
+    (XLA cannot split a kernel) and where the package is missing."""
+    from tunix_train import validation
+
+    def losses(matmul: str) -> np.ndarray:
+        cfg = compose_config(*family_tiny("qwen3_moe", mesh_arg(4, 1),
+                                          f"model.moe_matmul={matmul}"))
+        return train_losses(cfg, 3, jax.devices()[:4])[0]
+
+    np.testing.assert_allclose(losses("tokamax"), losses("tiles"), rtol=1e-5)
+    cfg = cli.compose(["model=qwen3_moe_tiny", "model.moe_matmul=tokamax", mesh_arg(4, 2)])
+    with pytest.raises(ConfigError, match=r"model.moe_matmul=tokamax with tp=2 in "
+                                          r"model.mesh_shape: XLA cannot split"):
+        validation.validate(cfg)
+    monkeypatch.setattr(validation.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match=r"model.moe_matmul=tokamax needs the tokamax package"):
+        validation.validate(cli.compose(["model=qwen3_moe_tiny", "model.moe_matmul=tokamax"]))
+
+
 def test_expert_lora_targets_are_refused_by_name():
     from tunix_train import validation
 

@@ -49,7 +49,7 @@ _CHOICES = {
     ("model", "cp_exchange"): ("all_gather", "ring"),
     ("model", "family"): ("gemma3", "llama3", "qwen3", "qwen3_moe", "mixtral"),
     ("model", "rope_type"): ("linear", "llama3"),
-    ("model", "moe_matmul"): ("tiles", "ragged_dot"),
+    ("model", "moe_matmul"): ("tiles", "ragged_dot", "tokamax"),
     ("logging", "progress"): ("auto", "always", "never"),
     ("data", "packing"): ("concat", "first_fit"),
     ("data", "dtype"): ("uint16", "uint32"),
@@ -140,6 +140,8 @@ def validate(cfg: Config) -> None:
     if m.attention_impl == "pallas" and (m.head_dim < 16 or m.head_dim & (m.head_dim - 1)):
         raise ConfigError(f"model.attention_impl=pallas needs a power-of-two model.head_dim of at "
                           f"least 16, not {m.head_dim}; use model.attention_impl=blockwise.")
+    if m.num_experts and m.moe_matmul == "tokamax":
+        _validate_tokamax(cfg)
     _validate_data(cfg.data)
     accum, sync = cfg.training.gradient_accumulation_steps, cfg.training.sync_gradients_every
     if accum % sync:
@@ -188,6 +190,18 @@ def _validate_trainer(cfg: Config) -> None:
         raise ConfigError(f"dpo.label_smoothing={cfg.dpo.label_smoothing} applies to "
                           f"dpo.loss=sigmoid only, not {cfg.dpo.loss}; set it to 0.")
     _validate_grpo(cfg)
+
+
+def _validate_tokamax(cfg: Config) -> None:
+    if importlib.util.find_spec("tokamax") is None:
+        raise ConfigError("model.moe_matmul=tokamax needs the tokamax package, which is not "
+                          "installed: pip install -c constraints.txt -e '.[cuda]' (or tokamax), "
+                          "or set model.moe_matmul=tiles.")
+    tp = _mesh_size(cfg, "tp")
+    if tp != 1:
+        raise ConfigError(f"model.moe_matmul=tokamax with tp={tp} in model.mesh_shape: XLA cannot "
+                          f"split tokamax's kernels over tp and would gather the experts whole on "
+                          f"every device; put those devices on fsdp, or set model.moe_matmul=tiles.")
 
 
 def _mesh_size(cfg: Config, axis: str) -> int:

@@ -17,7 +17,9 @@ the k experts' per token, not E's.
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -207,17 +209,33 @@ def capped(expert_of_A: jax.Array, k: int, experts: int, per_expert: int) -> Row
     return Rows(_rows_from(row_A, k, experts * per_expert), row_A, matmul)
 
 
-def ragged(expert_of_A: jax.Array, k: int, experts: int) -> Rows:
-    """The assignments sorted by expert, `jax.lax.ragged_dot` multiplying them: one grouped
-    matmul, as fast as the compiler's lowering of it."""
+def ragged(expert_of_A: jax.Array, k: int, experts: int,
+           dot: Callable[..., jax.Array] = jax.lax.ragged_dot) -> Rows:
+    """The assignments sorted by expert, `jax.lax.ragged_dot` (or another function of its
+    signature, `dot`) multiplying them: one grouped matmul, as fast as its lowering."""
     sizes_E, start_E, rank_A = _sorted(expert_of_A, experts)
     row_A = (start_E[expert_of_A] + rank_A).astype(jnp.int32)
-    matmul = lambda lhs, rhs: jax.lax.ragged_dot(lhs, rhs, sizes_E)  # noqa: E731
+    matmul = lambda lhs, rhs: dot(lhs, rhs, sizes_E)  # noqa: E731
     return Rows(_rows_from(row_A, k, expert_of_A.shape[0]), row_A, matmul)
 
 
+def tokamax_ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes_E: jax.Array) -> jax.Array:
+    """tokamax's `ragged_dot` (an optional dependency, the `cuda` extras'): its Pallas kernels,
+    forward and backward, where they run (Triton and Mosaic GPU on NVIDIA GPUs), else XLA's
+    `ragged_dot`, which it falls back to on a CPU. tokamax reads its settings as absl flags,
+    parsing the command line the first time (ours is Hydra's, which absl refuses): they are
+    parsed from no arguments first, so take their defaults."""
+    import tokamax
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS(sys.argv[:1])
+    return tokamax.ragged_dot(lhs, rhs, sizes_E)
+
+
 # model.moe_matmul → (expert of each assignment, k, experts) → Rows.
-MATMULS = {"tiles": tiled, "ragged_dot": ragged}
+MATMULS = {"tiles": tiled, "ragged_dot": ragged,
+           "tokamax": functools.partial(ragged, dot=tokamax_ragged_dot)}
 
 
 # A routed layer's sums (fp32), added over layers: `assigned_E` top-k assignments per expert,
