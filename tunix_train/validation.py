@@ -199,9 +199,10 @@ def _validate_tokamax(cfg: Config) -> None:
                           "or set model.moe_matmul=tiles.")
     tp = _mesh_size(cfg, "tp")
     if tp != 1:
-        raise ConfigError(f"model.moe_matmul=tokamax with tp={tp} in model.mesh_shape: XLA cannot "
-                          f"split tokamax's kernels over tp and would gather the experts whole on "
-                          f"every device; put those devices on fsdp, or set model.moe_matmul=tiles.")
+        raise ConfigError(
+            f"model.moe_matmul=tokamax with tp={tp} in model.mesh_shape: XLA cannot split "
+            f"tokamax's kernels over tp and would gather the experts whole on every device; put "
+            f"those devices on fsdp, or set model.moe_matmul=tiles.")
 
 
 def _mesh_size(cfg: Config, axis: str) -> int:
