@@ -310,7 +310,7 @@ def test_tokamax_trains_with_the_tiles_losses_and_is_refused_where_it_cannot_run
     cfg = cli.compose(["model=qwen3_moe_tiny", "model.moe_matmul=tokamax", mesh_arg(4, 2)])
     with pytest.raises(ConfigError, match=r"model.moe_matmul=tokamax with tp=2 in "
                                           r"model.mesh_shape: XLA cannot split"):
-        validation.validate(cfg)
+        Setup.create(cfg, jax.devices()[:8])
     monkeypatch.setattr(validation.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match=r"model.moe_matmul=tokamax needs the tokamax package"):
         validation.validate(cli.compose(["model=qwen3_moe_tiny", "model.moe_matmul=tokamax"]))

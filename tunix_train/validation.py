@@ -197,12 +197,6 @@ def _validate_tokamax(cfg: Config) -> None:
         raise ConfigError("model.moe_matmul=tokamax needs the tokamax package, which is not "
                           "installed: pip install -c constraints.txt -e '.[cuda]' (or tokamax), "
                           "or set model.moe_matmul=tiles.")
-    tp = _mesh_size(cfg, "tp")
-    if tp != 1:
-        raise ConfigError(
-            f"model.moe_matmul=tokamax with tp={tp} in model.mesh_shape: XLA cannot split "
-            f"tokamax's kernels over tp and would gather the experts whole on every device; put "
-            f"those devices on fsdp, or set model.moe_matmul=tiles.")
 
 
 def _mesh_size(cfg: Config, axis: str) -> int:

@@ -62,6 +62,7 @@ class Setup:
         shape = mesh_lib.parse(cfg.model.mesh_shape, len(devices))
         t = cfg.training
         stages.check_layers(cfg.model, shape.pp, t.pipeline_repeats)
+        _check_kernel_on_tp(cfg, shape.tp)
         mesh = mesh_lib.create_mesh(shape, devices, processes_per_node)
         params = ParamLayout.create(cfg.model, mesh, t.zero_stage, t.remat, t.mixed_precision,
                                     t.pipeline_repeats, cfg.lora)
@@ -320,6 +321,14 @@ def router_loss_weights(cfg: Config) -> moe.LossWeights:
     aux = cfg.model.router_aux_loss_coef if t.moe_aux_loss_weight is None else \
         t.moe_aux_loss_weight
     return moe.LossWeights(aux, t.router_z_loss_weight)
+
+
+def _check_kernel_on_tp(cfg: Config, tp: int) -> None:
+    if cfg.model.num_experts and cfg.model.moe_matmul == "tokamax" and tp > 1:
+        raise ConfigError(
+            f"model.moe_matmul=tokamax with tp={tp} in model.mesh_shape: XLA cannot split "
+            f"tokamax's kernels over tp and would gather the experts whole on every device; put "
+            f"those devices on fsdp, or set model.moe_matmul=tiles.")
 
 
 def _check_router_losses_on_pp(cfg: Config, weights: moe.LossWeights,
