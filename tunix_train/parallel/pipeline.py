@@ -140,21 +140,29 @@ def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: dict, plan: Schedule,
     embedded = _micro_batches(model.embed(batch["inputs"]), plan)
     outputs, stats = rotate(stage_fn, embedded, plan, model.cfg.unroll_layers)
     hidden = outputs.reshape(-1, length, outputs.shape[-1])
-    ropes = jax.tree.map(lambda t: _stage_share(t, plan), ropes)
-    segments = None if segments is None else _stage_share(segments, plan)
-    after_stats = None
-    if after is not None:  # the leftover blocks
-        hidden, after_stats = after.blocks(hidden, ropes, segments)
-    hidden, tail_stats = model.tail(hidden, ropes, segments)
-    token_loss = model.head_losses(hidden, _stage_share(batch["targets"], plan), vocab_chunks)
-    weights = _stage_share(batch["weights"], plan)
-    stats = moe.added(stats, after_stats, tail_stats)
+    share = lambda x: None if x is None else _stage_share(x, plan)  # noqa: E731
+    hidden, more_stats = _after_stages(model, after, hidden, jax.tree.map(share, ropes),
+                                       share(segments))
+    token_loss = model.head_losses(hidden, share(batch["targets"]), vocab_chunks)
+    weights = share(batch["weights"])
+    stats = moe.added(stats, more_stats)
     if stats is not None:
         stats = jax.lax.psum(stats, PP)  # fp32 sums
     tokens = jnp.sum(weights)
     loss_sum, metrics = moe.with_router_losses(jnp.sum(token_loss * weights), tokens, stats,
                                                router)
     return loss_sum, {"tokens": tokens, **metrics}
+
+
+def _after_stages(model: nnx.Module, after: nnx.Module | None, hidden: jax.Array, ropes: Any,
+                  segments: jax.Array | None) -> tuple[jax.Array, moe.Statistics | None]:
+    """This stage's share of the last stage's outputs through the left-over blocks (if any),
+    the trailing layers and the final norm; and their router statistics."""
+    after_stats = None
+    if after is not None:
+        hidden, after_stats = after.blocks(hidden, ropes, segments)
+    hidden, tail_stats = model.tail(hidden, ropes, segments)
+    return hidden, moe.added(after_stats, tail_stats)
 
 
 def _round_chunk(graphdef: nnx.GraphDef, params: Any, stage_stacks: dict[str, Any],
