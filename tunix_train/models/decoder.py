@@ -307,6 +307,11 @@ class Decoder(nnx.Module):
         if not stacks:
             return x, {}
         per_block = {s: self.layout.rows_per_block(s) for s in stacks}
+        if len(stacks) == 1 and per_block[stacks[0]] == 1 and not self.cfg.unroll_layers:
+            # One scan over the layers: a [blocks, 1, ...] view of the stacks would make XLA
+            # copy each whole stack into the loop (a layout change of the size-1 axis).
+            x, y = jax.lax.scan(steps[stacks[0]], x, xs[stacks[0]])
+            return x, {stacks[0]: y}
         blocks = jax.tree.leaves(xs[stacks[0]])[0].shape[0] // per_block[stacks[0]]
         by_block = {s: jax.tree.map(lambda a, n=per_block[s]: a.reshape(blocks, n, *a.shape[1:]),
                                     xs[s]) for s in stacks}
