@@ -142,6 +142,11 @@ done
 # Optimizer state in pinned host memory.
 together train offload-optimizer model=gemma3_270m model.num_layers=2 \
   training.offload_optimizer=true "${seq2k[@]}"
+# Parameters there too: each layer copied to the device when reached, the update streamed.
+together train offload-params model=gemma3_270m model.num_layers=2 \
+  training.offload_optimizer=true training.offload_params=true "${seq2k[@]}"
+together train offload-params-qlora model=gemma3_270m model.num_layers=2 lora.rank=16 \
+  lora.base_quantization=nf4 training.offload_params=true "${seq2k[@]}"
 wait
 echo "$(grep -c '^PASS' "$results") passed, $(grep -c '^FAIL' "$results") failed in $SECONDS s"
 ! grep -q '^FAIL' "$results"

@@ -1,4 +1,5 @@
-"""docs/data.md's, docs/monitoring.md's and docs/dpo.md's commands as typed, from a fresh copy of
+"""docs/data.md's, docs/monitoring.md's, docs/dpo.md's and docs/models.md's commands, and the
+planner's host-offload plan of docs/memory_and_communication.md, as typed, from a fresh copy of
 the repository (tests/typed_docs.py; test_docs_as_typed.py says how the pages are split)."""
 
 import json
@@ -76,4 +77,18 @@ def test_models_page_mixture_of_experts_as_typed(typed):
              if "`qwen3_30b_a3b`, fsdp 8 | `offload_optimizer=true` |" in line]
     device, host = row.split("|")[3].replace("GB host", "").split(" GB + ")
     assert f"= {device.strip()} GB on the device, {host.strip()} GB in host memory" in printed
+    assert "verdict: fits" in printed
+
+
+def test_memory_page_parameters_in_host_memory_plan_as_typed(typed):
+    """docs/memory_and_communication.md's Llama 3.1 8B full fine-tuning on one 80 GB device
+    with parameters and optimizer in host memory, as typed: it prints the lines the page shows
+    (XLA's memory analysis of the compiled step) and fits."""
+    page = "docs/memory_and_communication.md"
+    [plan] = page_commands(page, "training.offload_params=true")
+    printed = ok(typed.run(plan))
+    shown = (typed.root / page).read_text().split(plan, 1)[1].split("```")[2]
+    assert shown.strip()
+    for line in shown.strip().splitlines():
+        assert line in printed, line
     assert "verdict: fits" in printed

@@ -1,19 +1,24 @@
 """`training.offload_optimizer`: Adam's moments in pinned host memory (this CPU backend has it
-too), against the same run with them on the device."""
+too), and `training.offload_params`: the parameters there too, each against the same run with
+them on the device."""
 
 import types
 from dataclasses import replace
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-from helpers import ONE_STACK, compiled_run, compose_config, mesh_arg
+from helpers import ONE_STACK, compiled_run, compose_config, mesh_arg, mesh_of
 from tunix_train import checkpoint
 from tunix_train import config as config_lib
 from tunix_train.checkpoint import Checkpoints
 from tunix_train.config import CheckpointConfig, ConfigError
+from tunix_train.training import optim
 from tunix_train.training import setup as setup_lib
+from tunix_train.training.offload import StreamedUpdate
 from tunix_train.training.setup import Setup
 
 STEPS = 3
@@ -104,3 +109,83 @@ def test_a_device_without_host_memory_is_refused_by_name():
         types.SimpleNamespace(kind="device")])
     with pytest.raises(ConfigError, match="training.offload_optimizer=true needs pinned host"):
         setup_lib._check_host_memory([device])
+
+
+# ---------------------------------------------------------------------------------------------
+# training.offload_params: fp32 parameters (and LoRA's base) in host memory, each layer copied
+# to the device when the layer loop reaches it, the update streamed a layer at a time.
+
+PARAMS_OFF = ["training.offload_params=true", "training.offload_optimizer=true"]
+
+
+@pytest.mark.parametrize("overrides", [
+    [mesh_arg(1, 1)],
+    [mesh_arg(4, 2), "training.gradient_accumulation_steps=2"],
+    [mesh_arg(4, 2), "training.zero_stage=1", "lora.rank=4", "lora.dropout=0.1"],
+], ids=["1x1", "4x2-accum2", "4x2-zero1-lora"])
+def test_offloaded_parameters_give_the_losses_and_state_of_the_run_without(overrides):
+    """Losses equal the run with everything on the device (fp32, 1e-6), and so does every array
+    of the final state (within 1e-6 of Adam's steps of 1e-3: the clip's global norm is summed
+    in another order); between steps the parameters, the moments and LoRA's base are in
+    pinned host memory, the step counters on the device; evaluation reads them from there."""
+    devices = jax.devices()[:1] if overrides[0] == mesh_arg(1, 1) else None
+    base = [*ONE_STACK, *overrides]
+    on_device, _, want, reference = compiled_run(compose_config(*base), STEPS, devices)
+    setup, costs, got, state = compiled_run(compose_config(*base, *PARAMS_OFF), STEPS, devices)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(reference), strict=True):
+        np.testing.assert_allclose(jax.device_get(a), jax.device_get(b), rtol=1e-5, atol=1e-6)
+    assert _memory_kinds(state["params"]) == {"pinned_host"}
+    assert _memory_kinds(state.get("frozen", {})) <= {"pinned_host"}
+    assert _memory_kinds(state["opt_state"].inner_state[1][0].mu) == {"pinned_host"}
+    assert _memory_kinds(state["step"]) == {"device"}
+    host = costs.per_device_bytes["params_host"] + costs.per_device_bytes["optimizer_host"]
+    assert costs.per_device_bytes["host"] == host > 0
+    batches = setup.open_data().eval_batches  # evaluated a layer at a time from host memory
+    assert setup.evaluator(batches)(state) == pytest.approx(
+        on_device.evaluator(batches)(reference), rel=1e-6)
+
+
+def test_the_streamed_update_is_optaxs_update_in_one_piece():
+    """Two stacks of other lengths and a leaf that is not a stack, updated a layer at a time,
+    against the optimizer's own update of the whole tree: with the clip by global norm
+    triggered, and with one layer's gradient not finite (every leaf skipped, counted once)."""
+    cfg = compose_config("optimizer.grad_clip=0.5").optimizer
+    whole, pieces = optim.adamw(cfg, 10), optim.adamw(cfg, 10, clipped_outside=True)
+    rng = np.random.default_rng(0)
+    params = {"a": jnp.asarray(rng.normal(size=(3, 4, 2)), jnp.float32),
+              "b": {"scale": jnp.asarray(rng.normal(size=(5, 4)), jnp.float32)},
+              "embed": jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)}
+    stacked = {"a": True, "b": {"scale": True}, "embed": False}
+    streamed = StreamedUpdate(pieces, cfg.grad_clip, stacked)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    homes = {"params": jax.tree.map(lambda _: device, params), "opt_state": jax.tree.map(
+        lambda _: device, whole.init(params))}
+    state_whole = state_pieces = whole.init(params)
+    p_whole = p_pieces = params
+    for step in range(3):
+        grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
+        if step == 1:
+            grads["a"] = grads["a"].at[2, 0, 0].set(jnp.nan)
+        updates, state_whole = whole.update(grads, state_whole, p_whole)
+        p_whole = optax.apply_updates(p_whole, updates)
+        sums = jax.tree.map(lambda g: 4 * g, grads)  # and the step's denominator, 4 tokens
+        p_pieces, state_pieces, norm = streamed(sums, jnp.float32(4), state_pieces, p_pieces,
+                                                homes)
+        if step != 1:
+            assert float(norm) == pytest.approx(float(optax.tree.norm(grads)), rel=1e-6)
+        for a, b in zip(jax.tree.leaves((p_pieces, state_pieces)),
+                        jax.tree.leaves((p_whole, state_whole)), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
+    assert int(optim.skipped_updates(state_pieces)) == 1
+    assert float(optax.tree.norm(grads)) > cfg.grad_clip  # the clip did act
+
+
+def test_offload_params_is_refused_by_name_where_it_cannot_run():
+    for overrides, key in (([mesh_of([[2, 2, 2], ["pp", "fsdp", "tp"]])], "pp=2"),
+                           (["trainer=dpo", "data=preferences", "data.path=x.jsonl"],
+                            "trainer=dpo")):
+        with pytest.raises(ConfigError, match=f"training.offload_params=true .*{key}"):
+            setup_lib._check_offload_params(compose_config(
+                *ONE_STACK, *overrides, "training.offload_params=true"),
+                2 if key == "pp=2" else 1)

@@ -143,6 +143,22 @@ def test_sigterm_then_restart_gives_the_uninterrupted_losses_bitwise(reference, 
     assert_bitwise(run_dir, reference, range(5, STEPS + 1))
 
 
+def test_offloaded_parameters_and_moments_sigterm_then_restart_bitwise(reference, tmp_path):
+    """Parameters and moments in pinned host memory: saved from there on SIGTERM and restored
+    there, the resumed run gives the uninterrupted offloaded run's losses bitwise, and both the
+    losses of the run with everything on the device (1e-6)."""
+    offloaded = ["training.offload_params=true", "training.offload_optimizer=true"]
+    whole, run_dir = tmp_path / "whole", tmp_path / "run"
+    train(whole, *offloaded)
+    preempt(run_dir, 4, *offloaded)
+    assert committed(run_dir) == [4]
+    assert "resuming from step 4" in train(run_dir, *offloaded)
+    assert_bitwise(run_dir, whole, range(1, STEPS + 1))
+    got, want = losses(run_dir), losses(reference)
+    np.testing.assert_allclose([got[s] for s in range(1, STEPS + 1)],
+                               [want[s] for s in range(1, STEPS + 1)], rtol=1e-6)
+
+
 @pytest.mark.parametrize("saved,resumed,mesh", [
     (mesh_arg(4, 2), mesh_arg(8, 1), "fsdp=8 × tp=1"),
     # State sharded over fsdp × cp (ZeRO over both), resumed with sequences split 4 ways.

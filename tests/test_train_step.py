@@ -57,7 +57,8 @@ def test_bf16_compute_tracks_fp32_with_fp32_master_weights():
 
 FAMILY_MESHES = {"4x2": [mesh_arg(4, 2)], "2x2x2": [mesh_of([[2, 2, 2], ["pp", "fsdp", "tp"]])],
                  "4x2-zero1-offload": [mesh_arg(4, 2), "training.zero_stage=1",
-                                       "training.offload_optimizer=true"]}
+                                       "training.offload_optimizer=true",
+                                       "training.offload_params=true"]}
 # Gemma 3 (its three layer kinds: blocks of local and global layers, a trailing local) on the
 # first mesh; it runs the others, and more, in the files of each feature (test_pipeline*.py,
 # test_zero_stages.py, test_resume.py; test_fsdp.py and the tests above on one stack of its

@@ -139,6 +139,8 @@ class TrainingConfig:
     profile_communication: bool = False
     nan_policy: str = "halt"  # halt | skip
     offload_optimizer: bool = False  # Adam's moments in pinned host memory, streamed to the update
+    offload_params: bool = False  # fp32 master weights (and LoRA's base) in pinned host memory:
+    # each layer copied to the device when reached, the update streamed layer by layer
     pipeline_microbatches: Optional[int] = None  # per micro-step, with a pp axis; None: bubble <= 25%
     pipeline_repeats: int = 1  # layer chunks per pp stage, visited in turn (circular); 1 = GPipe
     moe_aux_loss_weight: Optional[float] = None  # load-balancing loss; None = the model's

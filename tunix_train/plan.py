@@ -174,12 +174,16 @@ def suggestions(cfg: Config, micro_batch: int) -> list[str]:
         found.append(f"set training.remat=full (now {t.remat})")
     if not t.offload_optimizer:
         found.append("set training.offload_optimizer=true")
+    sizes, names = cfg.model.mesh_shape
+    if not t.offload_params and cfg.trainer.name == "default" and \
+            dict(zip(names, sizes)).get("pp", 1) == 1:
+        found.append("set training.offload_params=true")
     return found
 
 
 def _verdict(record: dict[str, Any]) -> str:
     """Device memory against plan.device_memory_gb and, where the step keeps anything there
-    (training.offload_optimizer), host memory against plan.host_memory_gb."""
+    (training.offload_optimizer, offload_params), host memory against plan.host_memory_gb."""
     total, limit = record["per_device_bytes"]["total"] / GB, record["device_memory_gb"]
     host, host_limit = record["per_device_bytes"]["host"] / GB, record["host_memory_gb"]
     on_host = (f"; host {host:.2f} GB of {host_limit:g} GB per device" if host else "")
@@ -188,10 +192,13 @@ def _verdict(record: dict[str, Any]) -> str:
     if not record["fits_device"]:
         return (f"does NOT fit: {total:.2f} GB > {limit:g} GB per device{on_host}; "
                 f"{', or '.join(record['suggestions'])}")
+    offloaded = " and ".join(f"training.{key}=false" for key, part in (
+        ("offload_optimizer", "optimizer_host"), ("offload_params", "params_host"))
+        if record["per_device_bytes"].get(part))
     return (f"does NOT fit in host memory: {host:.2f} GB > {host_limit:g} GB per device "
             f"(plan.host_memory_gb, the machine's pinned memory over its devices), with "
             f"{total:.2f} GB of {limit:g} GB on the device; put more devices on fsdp "
-            f"(model.mesh_shape), or set training.offload_optimizer=false")
+            f"(model.mesh_shape), or set {offloaded}")
 
 
 def _summary(record: dict[str, Any], costs) -> list[str]:

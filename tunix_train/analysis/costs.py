@@ -12,8 +12,9 @@ per parameter, each divided by the devices it is sharded over. Gradients are not
 train state: they live in XLA's temporaries during the step, with the activations, and with
 `training.sync_gradients_every` > 1 with a whole unreduced gradient buffer (parallel/fsdp.py).
 
-With `training.offload_optimizer` the moments are in host memory: `host` is what XLA's compiled
-program keeps there (its entry layout's host memory space), and `total` is device memory only.
+With `training.offload_optimizer` the moments (with `training.offload_params` the parameters) are
+in host memory: `host` is what XLA's compiled program keeps there (its entry layout's host
+memory space), and `total` is device memory only.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ UNITS = {"MB": 1e6, "GB": 1e9}
 
 @dataclass
 class StepCosts:
-    per_device_bytes: dict[str, int]  # params, frozen (LoRA's base), grads, optimizer(_host),
-    # grad_buffer, temp, total (device memory), host (host memory)
+    per_device_bytes: dict[str, int]  # params(_host), frozen (LoRA's base), grads,
+    # optimizer(_host), grad_buffer, temp, total (device memory), host (host memory)
     xla_memory: dict[str, int]  # compiled.memory_analysis(): arguments, outputs, aliased, temp
     flops_per_step: float  # all devices, as compiled (remat recomputation included)
     comm: CommReport
@@ -59,10 +60,15 @@ class StepCosts:
                else "") + f" = {f['total']}"
             + (f" on the device, {f['host']} in host memory" if host else ""),
             f"  model state: params {f['params']} and optimizer {f['optimizer']}{frozen} "
-            f"(arguments), grads {f['grads']} (temporaries, with the activations{buffer})",
+            f"(arguments{', where not offloaded' if host else ''}), grads {f['grads']} "
+            f"(temporaries, with the activations{buffer})",
         ]
         if self.reference:
             lines.append(f"  {self.reference}")
+        if self.per_device_bytes.get("params_host"):
+            lines.append(f"  offloaded: {f['params_host']} of parameters live in pinned host "
+                         f"memory, each layer copied to the device when reached, updated a layer "
+                         f"at a time")
         if self.per_device_bytes["optimizer_host"]:
             lines.append(f"  offloaded: {f['optimizer_host']} of the optimizer state lives in "
                          f"pinned host memory and streams through the update")

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from tunix_train import backend
 from tunix_train.models import params as model_params
 from tunix_train.parallel.mesh import FSDP, PP
+from tunix_train.parallel.sharding import to_device
 
 SYNC_SCOPE = "gradient_sync"  # named scope of the reductions; the comm report looks for it
 WIDENED = "cpu_widened_from_"  # + dtype: a 16-bit reduction carried in fp32 on a CPU backend
@@ -71,7 +72,7 @@ def is_fetch(x: Any) -> bool:
 @model_params.materializer  # never saved for the backward pass: gathered again there
 def _fetch(param: jax.Array, target: jax.Array, how: How) -> jax.Array:
     del target
-    param = param.astype(how.compute_dtype)
+    param = to_device(param).astype(how.compute_dtype)  # offloaded: this layer's copy comes in
     if how.gather_axis is None:
         return param
     return blockwise(lambda p: jax.lax.all_gather(p, how.gather_group, axis=how.gather_axis,

@@ -56,6 +56,7 @@ from tunix_train.models import params as model_params
 from tunix_train.parallel.collectives import SYNC_SCOPE, Fetch, FsdpHook, How, blockwise, reduce_one
 from tunix_train.parallel.layout import merged
 from tunix_train.parallel.mesh import CP, FSDP, PP
+from tunix_train.parallel.sharding import to_device
 
 
 @dataclass(frozen=True)
@@ -269,6 +270,9 @@ def _device_gradients(sync: GradientSync, loss_fn: Callable, params: Any, local_
                       local_frozen: Any, batch: dict):
     """One device's part of `accumulated_gradients`: its blocks of the parameters, its rows."""
     K, rounds, per_layer = sync.sync_every, sync.reductions_per_step, sync.reduces_per_layer
+    local_params = _on_device_but_stacks(local_params, sync.stacked)
+    if local_frozen is not None:
+        local_frozen = _on_device_but_stacks(local_frozen, sync.frozen_stacked)
     # Jitted so that the step is traced once: `eval_shape` below traces it for the shapes of its
     # sums, and the scan's body reuses that trace (a nested jit is inlined when compiled).
     micro_grads = jax.jit(_micro_gradients(sync, loss_fn, params, local_params, local_frozen))
@@ -293,6 +297,14 @@ def _device_gradients(sync: GradientSync, loss_fn: Callable, params: Any, local_
     # Each pipeline stage computes the loss of its share of the micro-batches.
     axes = tuple(sorted(sync.manual_axes))
     return grads, jax.lax.psum(loss, axes), jax.lax.psum(sums, axes)
+
+
+def _on_device_but_stacks(local: Any, stacked: Any) -> Any:
+    """Parameters kept in host memory (`training.offload_params`) brought to the device once a
+    step where they are not layer stacks (embedding, norms, head); a stack stays on the host and
+    each of its layers is copied over when the layer loop reaches it (`Fetch`)."""
+    return jax.tree.map(lambda is_stack, leaves: leaves if is_stack else
+                        jax.tree.map(to_device, leaves), stacked, local)
 
 
 def _micro_gradients(sync: GradientSync, loss_fn: Callable, params: Any, local_params: Any,

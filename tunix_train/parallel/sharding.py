@@ -216,6 +216,19 @@ def batch_sharding(mesh: Mesh, rules: Mapping[str, str | None], leading: int = 0
                                  rules.get("act_seq")))
 
 
+def to_device(x: jax.Array) -> jax.Array:
+    """`x` in device memory: inside a traced step, a value in pinned host memory
+    (`training.offload_params`) is copied to the device where it is used; others pass."""
+    if jax.typeof(x).memory_space == jax.memory.Space.Host:
+        return jax.device_put(x, jax.memory.Space.Device)
+    return x
+
+
+def to_host(x: jax.Array) -> jax.Array:
+    """`x` copied to pinned host memory (inside a traced step)."""
+    return jax.device_put(x, jax.memory.Space.Host)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 

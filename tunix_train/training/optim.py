@@ -26,17 +26,29 @@ def _decay_mask(params):
     )
 
 
-def adamw(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
+def adamw(cfg: OptimizerConfig, total_steps: int, clipped_outside: bool = False
+          ) -> optax.GradientTransformation:
+    """`clipped_outside`: the caller clips the gradients by their global norm (`clip`) and the
+    optimizer holds an identity in the clip's place, so that it can update the parameters a
+    layer at a time (training/offload.py); its state is the same either way."""
     adamw = optax.adamw(
         schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
         weight_decay=cfg.weight_decay, mask=_decay_mask,
     )
-    inner = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip > 0 \
-        else adamw
+    clip = optax.identity() if clipped_outside else optax.clip_by_global_norm(cfg.grad_clip)
+    inner = optax.chain(clip, adamw) if cfg.grad_clip > 0 else adamw
     # A non-finite gradient leaves parameters and moments untouched, on device, with no host
     # round trip; the loop then halts or carries on (training.nan_policy). Never give up
     # skipping: a run that keeps producing NaNs is halted by the policy, not by optax.
     return optax.apply_if_finite(inner, max_consecutive_errors=int(jnp.iinfo(jnp.int32).max))
+
+
+def clip(update: jax.Array, norm: jax.Array, max_norm: float) -> jax.Array:
+    """One leaf (or slice of one) of the gradients clipped as optax.clip_by_global_norm clips
+    it, given the global norm of all of them."""
+    if max_norm <= 0:
+        return update
+    return jax.lax.select(norm < max_norm, update, (update / norm.astype(update.dtype)) * max_norm)
 
 
 def skipped_updates(opt_state: optax.ApplyIfFiniteState) -> jax.Array:

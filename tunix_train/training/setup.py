@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,6 +38,7 @@ from tunix_train.parallel import mesh as mesh_lib
 from tunix_train.parallel.layout import ParamLayout
 from tunix_train.training import optim, reference
 from tunix_train.training.state import FROZEN, HOST, StateLayout, TrainState
+from tunix_train.training.offload import StreamedUpdate
 from tunix_train.training.train_step import (LossFn, StepOptions, jit_eval_step, jit_train_step,
                                              loss_sums)
 
@@ -63,17 +64,24 @@ class Setup:
         t = cfg.training
         stages.check_layers(cfg.model, shape.pp, t.pipeline_repeats)
         _check_kernel_on_tp(cfg, shape.tp)
+        _check_offload_params(cfg, shape.pp)
         mesh = mesh_lib.create_mesh(shape, devices, processes_per_node)
         params = ParamLayout.create(cfg.model, mesh, t.zero_stage, t.remat, t.mixed_precision,
                                     t.pipeline_repeats, cfg.lora)
         updates = config_lib.optimizer_steps(cfg)
-        optimizer = optim.adamw(cfg.optimizer, updates)
+        # Parameters in host memory are updated a layer at a time: the clip is taken outside.
+        optimizer = optim.adamw(cfg.optimizer, updates, clipped_outside=t.offload_params)
         batch = batch_shape(cfg.training, cfg.data.seq_len, shape.fsdp)
-        if t.offload_optimizer:
-            _check_host_memory(devices)
-        state = StateLayout.create(params, optimizer, t.offload_optimizer)
+        for key in ("offload_optimizer", "offload_params"):
+            if getattr(t, key):
+                _check_host_memory(devices, key)
+        state = StateLayout.create(params, optimizer, t.offload_optimizer, t.offload_params)
+        options = step_options(cfg, params, batch)
+        if t.offload_params:
+            options = replace(options, streamed=StreamedUpdate(
+                optimizer, cfg.optimizer.grad_clip, params.stacked))
         return cls(cfg, params, state, batch, optimizer,
-                   optim.schedule(cfg.optimizer, updates), step_options(cfg, params, batch))
+                   optim.schedule(cfg.optimizer, updates), options)
 
     @property
     def mesh(self) -> Mesh:
@@ -214,8 +222,11 @@ class Setup:
         return self.fresh_state()
 
     def base(self) -> Any:
-        """LoRA's frozen base, from its source (ParamLayout.base)."""
-        return self.params.base(self.cfg.training.seed, self.cfg.checkpoint.init_params_from)
+        """LoRA's frozen base, from its source (ParamLayout.base), where the state keeps it (in
+        host memory with training.offload_params)."""
+        base = self.params.base(self.cfg.training.seed, self.cfg.checkpoint.init_params_from)
+        return jax.device_put(base, self.state.shardings[FROZEN]) \
+            if self.state.params_offloaded else base
 
     def saved_config(self, frozen: Any = None) -> dict:
         """The config a checkpoint records; with LoRA, also which base its adapters adapt
@@ -257,6 +268,10 @@ class Setup:
             "optimizer": costs.sharded_bytes(abstract["opt_state"], shardings["opt_state"]),
             "optimizer_host": costs.sharded_bytes(abstract["opt_state"], shardings["opt_state"],
                                                   memory_kind=HOST),
+            "params_host": costs.sharded_bytes(
+                {"params": abstract["params"], "frozen": abstract.get(FROZEN, {})},
+                {"params": shardings["params"], "frozen": shardings.get(FROZEN, {})},
+                memory_kind=HOST),
         }
         plan = self.options.pipeline
         split = None if plan is None else stages.Stages.of(
@@ -271,17 +286,35 @@ class Setup:
 def fingerprint(frozen: Any) -> str:
     """A short digest of a base's values: the sum of their magnitudes, to 6 digits (summed in
     another order on another mesh, it reads the same)."""
-    total = jax.jit(lambda tree: sum(jnp.sum(jnp.abs(x.astype(jnp.float32)))
+    total = jax.jit(lambda tree: sum(jnp.sum(jnp.abs(sharding.to_device(x).astype(jnp.float32)))
                                      for x in jax.tree.leaves(tree)))(frozen)
     return f"{float(total):.6g}"
 
 
-def _check_host_memory(devices: list[jax.Device]) -> None:
+def _check_host_memory(devices: list[jax.Device], key: str = "offload_optimizer") -> None:
     lacking = [d for d in devices if HOST not in {m.kind for m in d.addressable_memories()}]
     if lacking:
         raise ConfigError(
-            f"training.offload_optimizer=true needs pinned host memory, which {lacking[0]} "
-            f"({lacking[0].platform}) does not offer; set training.offload_optimizer=false.")
+            f"training.{key}=true needs pinned host memory, which {lacking[0]} "
+            f"({lacking[0].platform}) does not offer; set training.{key}=false.")
+
+
+def _check_offload_params(cfg: Config, pp: int) -> None:
+    """Parameters in host memory reach the device inside the next-token trainer's layer loop;
+    a pipeline stage's whole stack, and the other trainers' own steps (DPO's reference, GRPO's
+    rollouts), would need them on the device."""
+    if not cfg.training.offload_params:
+        return
+    if pp > 1:
+        raise ConfigError(
+            f"training.offload_params=true with pp={pp} in model.mesh_shape: a pipeline stage "
+            f"fetches its layers whole, not one at a time from host memory; put those devices "
+            f"on fsdp, or set training.offload_params=false.")
+    if cfg.trainer.name != "default":
+        raise ConfigError(
+            f"training.offload_params=true is for the default trainer (pre-training, SFT, "
+            f"LoRA), not trainer={cfg.trainer.name} yet; set training.offload_params=false "
+            f"(training.offload_optimizer=true still offloads the optimizer's moments).")
 
 
 def step_options(cfg: Config, params: ParamLayout, batch: BatchShape) -> StepOptions:

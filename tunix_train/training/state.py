@@ -9,6 +9,8 @@ optimizer moments are sharded like their parameter at ZeRO stage 1 and up, scala
 With `training.offload_optimizer` (ZeRO-Offload) the moments live in pinned host memory, each
 device's shard in its own host's: the train step brings them to the device for the update and
 sends the new ones back (training/train_step.py); the step counters stay on the device.
+With `training.offload_params` the fp32 parameters (and LoRA's base) live there too, and the
+update streams through the device a layer at a time (training/offload.py).
 """
 
 from __future__ import annotations
@@ -40,25 +42,32 @@ class StateLayout:
 
     @classmethod
     def create(cls, params: ParamLayout, optimizer: optax.GradientTransformation,
-               offload_optimizer: bool = False) -> StateLayout:
+               offload_optimizer: bool = False, offload_params: bool = False) -> StateLayout:
         opt_state = jax.eval_shape(optimizer.init, params.abstract)
         abstract = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params.abstract,
                     "opt_state": opt_state}
         moments = params.moment_shardings
         if offload_optimizer:
             moments = jax.tree.map(lambda s: s.with_memory_kind(HOST), moments)
+        home = (lambda tree: jax.tree.map(lambda s: s.with_memory_kind(HOST), tree)) \
+            if offload_params else (lambda tree: tree)
         shardings = {
             "step": replicated(params.mesh),
-            "params": params.shardings,
+            "params": home(params.shardings),
             "opt_state": optimizer_shardings(optimizer, opt_state, moments, params.mesh),
         }
         if params.frozen is not None:
-            abstract[FROZEN], shardings[FROZEN] = params.frozen.abstract, params.frozen.shardings
+            abstract[FROZEN] = params.frozen.abstract
+            shardings[FROZEN] = home(params.frozen.shardings)
         return cls(params, abstract, shardings)
 
     @property
     def offloaded(self) -> bool:
         return any(s.memory_kind == HOST for s in jax.tree.leaves(self.shardings["opt_state"]))
+
+    @property
+    def params_offloaded(self) -> bool:
+        return any(s.memory_kind == HOST for s in jax.tree.leaves(self.shardings["params"]))
 
     def on_device(self, opt_state: Any) -> Any:
         """The optimizer state moved to device memory, each shard where it is (a no-op unless
@@ -90,9 +99,10 @@ class StateLayout:
             return {"step": jnp.zeros((), jnp.int32), "params": params,
                     "opt_state": optimizer.init(params)}
 
-        # Donated: the parameters move into the state instead of being copied.
+        # Donated: the parameters move into the state instead of being copied (unless the
+        # state keeps them in host memory: they are copied there, and freed after).
         state = jax.jit(make, out_shardings=checkpoint.saved_part(self.shardings),
-                        donate_argnums=0)(params)
+                        donate_argnums=() if self.params_offloaded else 0)(params)
         return state if frozen is None else {**state, FROZEN: frozen}
 
     def model_params(self, state: TrainState) -> Any:

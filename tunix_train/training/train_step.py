@@ -19,13 +19,14 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from tunix_train.models import context, lora, moe, quantization
+from tunix_train.models import context, lora, moe, params as model_params, quantization
 from tunix_train.models.head import VocabChunks
 from tunix_train.parallel import fsdp, pipeline, stages
 from tunix_train.parallel.mesh import CP
 from tunix_train.parallel.sharding import LogicalRules, activate, per_shard_rules
+from tunix_train.training.offload import OnDevice, StreamedUpdate, gradients
 from tunix_train.training.optim import skipped_updates
-from tunix_train.training.state import FROZEN, StateLayout, TrainState
+from tunix_train.training.state import FROZEN, HOST, StateLayout, TrainState
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
@@ -41,6 +42,7 @@ class StepOptions:
     pipeline: stages.Schedule | None = None  # with a pp axis: the pipeline schedule
     dropout_seed: int | None = None  # LoRA dropout's seed (training.seed); None = no dropout
     router: moe.LossWeights = moe.LossWeights()  # the router's losses (mixture of experts)
+    streamed: StreamedUpdate | None = None  # training.offload_params: the update layer by layer
 
 
 def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: Batch,
@@ -106,7 +108,7 @@ def train_step_fn(layout: StateLayout, optimizer: optax.GradientTransformation,
         # Inside the shard_map over fsdp each device sees its own rows: no fsdp constraint.
         # Parameters go in as fp32 shards: each is cast where it is gathered (parallel/fsdp.py).
         with activate(options.mesh, per_shard_rules(options.rules)):  # in effect while jit traces
-            grads, loss_sum, sums = fsdp.accumulated_gradients(
+            grad_sums, loss_sum, sums = fsdp.accumulated_gradients(
                 options.sync, micro_loss, state["params"], in_cp_order(batch, options.mesh),
                 state.get(FROZEN))
         tokens = sums.pop("tokens")
@@ -115,18 +117,25 @@ def train_step_fn(layout: StateLayout, optimizer: optax.GradientTransformation,
         # A non-finite loss makes every gradient NaN here (in the division that happens anyway),
         # so the optimizer's finiteness guard skips the update even if the gradients were finite.
         denominator = jnp.where(jnp.isfinite(loss_sum), jnp.maximum(tokens, 1.0), jnp.nan)
-        grads = jax.tree.map(lambda g: (g / denominator).astype(jnp.float32), grads)
-        opt_state = layout.on_device(state["opt_state"])  # offloaded: host → device
-        updates, opt_state = optimizer.update(grads, opt_state, state["params"])
+        if options.streamed is None:
+            grads = gradients(grad_sums, denominator)
+            opt_state = layout.on_device(state["opt_state"])  # offloaded: host → device
+            updates, opt_state = optimizer.update(grads, opt_state, state["params"])
+            params, opt_state = (optax.apply_updates(state["params"], updates),
+                                 layout.to_home(opt_state))
+            grad_norm = optax.global_norm(grads)
+        else:  # the parameters in host memory: their update streams through a layer at a time
+            params, opt_state, grad_norm = options.streamed(
+                grad_sums, denominator, state["opt_state"], state["params"], layout.shardings)
         new_state = {
             **state,  # LoRA's frozen base passes through (donated: no copy)
             "step": state["step"] + 1,
-            "params": optax.apply_updates(state["params"], updates),
-            "opt_state": layout.to_home(opt_state),
+            "params": params,
+            "opt_state": opt_state,
         }
         metrics = {
             "loss": loss_sum / denominator,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": grad_norm,
             "lr": schedule(state["step"]),
             "tokens": tokens,
             "skipped_steps": skipped_updates(opt_state),
@@ -175,8 +184,15 @@ def jit_eval_step(layout: StateLayout, options: StepOptions, batch_sharding: Nam
     def evaluate(params, batch: Batch) -> tuple[jax.Array, dict]:
         single = jax.tree.map(lambda x: x[0], in_cp_order(batch, options.mesh))
         with activate(options.mesh, options.rules):
+            if layout.params_offloaded:  # cast a layer at a time, as each reaches the device
+                with model_params.hooked(OnDevice(options.compute_dtype)):
+                    return loss_fn(layout.params.graphdef, params, single,
+                                   vocab_chunks=options.vocab_chunks)
             return loss_fn(layout.params.graphdef,
                            quantization.cast(params, options.compute_dtype),
                            single, vocab_chunks=options.vocab_chunks)
 
-    return jax.jit(evaluate, in_shardings=(layout.params.merged_shardings(), batch_sharding))
+    merged = layout.params.merged_shardings()
+    if layout.params_offloaded:
+        merged = jax.tree.map(lambda s: s.with_memory_kind(HOST), merged)
+    return jax.jit(evaluate, in_shardings=(merged, batch_sharding))
