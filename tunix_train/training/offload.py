@@ -49,8 +49,7 @@ class StreamedUpdate:
         """(new params, new optimizer state, the gradients' global norm) from the gradient
         `sums` / `denominator`, each leaf in the memory `homes` (the state's shardings:
         {"params", "opt_state"}) says. The division is done a piece at a time too: a divided
-        copy of the gradients is never formed."""
-        # From the sums, as no divided copy of the gradients is formed: ‖g / d‖ = ‖g‖ / d.
+        copy of the gradients is never formed, so the norm comes from the sums: ‖g/d‖ = ‖g‖/d."""
         finite = jnp.isfinite(denominator) & jnp.all(jnp.array(
             [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(sums)]))
         norm = optax.tree.norm(sums) / denominator
@@ -59,72 +58,102 @@ class StreamedUpdate:
             g = (g / denominator).astype(jnp.float32)
             return optim.clip(jnp.where(finite, g, jnp.nan), norm, self.max_norm)
 
-        p_leaves, p_def = jax.tree.flatten(params)
-        g_leaves = p_def.flatten_up_to(sums)
-        stacked = p_def.flatten_up_to(self.stacked)
-        s_leaves, s_def = jax.tree.flatten(opt_state)
-        owner = jax.tree.leaves(optax.tree_utils.tree_map_params(
-            self.optimizer, lambda _, i: i, opt_state, p_def.unflatten(range(len(p_leaves))),
-            transform_non_params=lambda _: -1))
-        p_home = [_on_host(s) for s in p_def.flatten_up_to(homes["params"])]
-        s_home = [_on_host(s) for s in jax.tree.leaves(homes["opt_state"])]
-
-        def update(pick, p_take, g_take, s_take):
-            """optimizer.update on the chosen pieces; the rest empty, scalars as they are."""
-            empty = lambda x: jnp.zeros((0,), x.dtype)  # noqa: E731
-            ps = [p_take(i) if pick(i) else empty(p) for i, p in enumerate(p_leaves)]
-            gs = [g_take(i) if pick(i) else empty(g) for i, g in enumerate(g_leaves)]
-            ss = [s_take(j) if owner[j] < 0 or pick(owner[j]) else empty(s)
-                  for j, s in enumerate(s_leaves)]
-            updates, new_state = self.optimizer.update(p_def.unflatten(gs), s_def.unflatten(ss),
-                                                       p_def.unflatten(ps))
-            return (jax.tree.leaves(optax.apply_updates(p_def.unflatten(ps), updates)),
-                    jax.tree.leaves(new_state))
-
-        new_p, new_s = list(p_leaves), list(s_leaves)
-        scalars = [j for j in range(len(s_leaves)) if owner[j] < 0]
-        whole = [i for i, s in enumerate(stacked) if not s]
-        if whole:
-            ps, ss = update(lambda i: not stacked[i], lambda i: to_device(p_leaves[i]),
-                            lambda i: prepared(g_leaves[i]), lambda j: to_device(s_leaves[j]))
-            for i in whole:
-                new_p[i] = _home(ps[i], p_home[i])
-            for j, s in enumerate(ss):  # their moments, and the scalars (counts, skip counters)
-                if owner[j] < 0 or not stacked[owner[j]]:
-                    new_s[j] = _home(s, s_home[j])
-        lengths = sorted({p_leaves[i].shape[0] for i, s in enumerate(stacked) if s})
+        pieces = _Pieces.of(self.optimizer, params, sums, opt_state, self.stacked, homes)
+        whole = [i for i, s in enumerate(pieces.stacked) if not s]
+        if whole:  # their moments too, and the scalars (counts, skip counters)
+            pieces.update_whole(whole, prepared)
+        lengths = sorted({pieces.p[i].shape[0] for i, s in enumerate(pieces.stacked) if s})
         for n, length in enumerate(lengths):
-            group = [i for i, s in enumerate(stacked) if s and p_leaves[i].shape[0] == length]
-            mine = [j for j in range(len(s_leaves)) if owner[j] in group]
-            # Every piece's update computes the same new scalars: they are taken from one.
-            own_scalars = scalars if not whole and n == 0 else []
+            # Every piece's update computes the same new scalars: taken from one of them.
+            pieces.update_stacks(length, prepared, scalars=not whole and n == 0)
+        return pieces.results() + (norm,)
 
-            def layer(carry, xs, group=group, mine=mine, own_scalars=own_scalars):
-                # The stacks are the loop's carry, each layer written back in place: the new
-                # parameters and moments take the old ones' (donated) memory.
-                (ps, ss, _), (k, g) = carry, xs
-                at = lambda x: jax.lax.dynamic_index_in_dim(x, k, keepdims=False)  # noqa: E731
-                new_ps, new_ss = update(lambda i: i in ps, lambda i: to_device(at(ps[i])),
-                                        lambda i: prepared(g[i]),
-                                        lambda j: to_device(at(ss[j]) if j in ss
-                                                            else s_leaves[j]))
-                put = lambda x, new, home: jax.lax.dynamic_update_index_in_dim(  # noqa: E731
-                    x, _home(new, home), k, 0)
-                return ({i: put(ps[i], new_ps[i], p_home[i]) for i in group},
-                        {j: put(ss[j], new_ss[j], s_home[j]) for j in mine},
-                        {j: new_ss[j] for j in own_scalars}), None
 
-            (ps, ss, last), _ = jax.lax.scan(
-                layer, ({i: p_leaves[i] for i in group}, {j: s_leaves[j] for j in mine},
-                        {j: s_leaves[j] for j in own_scalars}),
-                (jnp.arange(length), {i: g_leaves[i] for i in group}))
-            for i in group:
-                new_p[i] = ps[i]
-            for j in mine:
-                new_s[j] = ss[j]
-            for j in own_scalars:
-                new_s[j] = last[j]
-        return p_def.unflatten(new_p), s_def.unflatten(new_s), norm
+@dataclass
+class _Pieces:
+    """The update's trees as flat lists of leaves: parameters `p`, gradient sums `g`,
+    optimizer state `s` (`owner[j]`: the parameter whose moment `s[j]` is, -1 for a scalar),
+    where each leaf lives, and the new leaves as they are computed."""
+
+    optimizer: optax.GradientTransformation
+    p: list
+    g: list
+    s: list
+    p_def: Any
+    s_def: Any
+    stacked: list
+    owner: list
+    p_home: list  # on host memory?
+    s_home: list
+    new_p: list
+    new_s: list
+
+    @classmethod
+    def of(cls, optimizer, params, sums, opt_state, stacked, homes) -> _Pieces:
+        p, p_def = jax.tree.flatten(params)
+        s, s_def = jax.tree.flatten(opt_state)
+        owner = jax.tree.leaves(optax.tree_utils.tree_map_params(
+            optimizer, lambda _, i: i, opt_state, p_def.unflatten(range(len(p))),
+            transform_non_params=lambda _: -1))
+        return cls(optimizer, p, p_def.flatten_up_to(sums), s, p_def, s_def,
+                   p_def.flatten_up_to(stacked), owner,
+                   [_on_host(x) for x in p_def.flatten_up_to(homes["params"])],
+                   [_on_host(x) for x in jax.tree.leaves(homes["opt_state"])], list(p), list(s))
+
+    def update(self, pick, p_take, g_take, s_take) -> tuple[list, list]:
+        """optimizer.update on the picked parameters' pieces (`*_take(i)`), the others empty,
+        the scalars as `s_take` gives them: (new parameter leaves, new state leaves)."""
+        empty = lambda x: jnp.zeros((0,), x.dtype)  # noqa: E731
+        ps = [p_take(i) if pick(i) else empty(x) for i, x in enumerate(self.p)]
+        gs = [g_take(i) if pick(i) else empty(x) for i, x in enumerate(self.g)]
+        ss = [s_take(j) if self.owner[j] < 0 or pick(self.owner[j]) else empty(x)
+              for j, x in enumerate(self.s)]
+        params = self.p_def.unflatten(ps)
+        updates, state = self.optimizer.update(self.p_def.unflatten(gs),
+                                               self.s_def.unflatten(ss), params)
+        return jax.tree.leaves(optax.apply_updates(params, updates)), jax.tree.leaves(state)
+
+    def update_whole(self, whole: list[int], prepared) -> None:
+        """The parameters that are not stacks, their moments and the scalars, at once."""
+        ps, ss = self.update(lambda i: i in whole, lambda i: to_device(self.p[i]),
+                             lambda i: prepared(self.g[i]), lambda j: to_device(self.s[j]))
+        for i in whole:
+            self.new_p[i] = _home(ps[i], self.p_home[i])
+        for j, x in enumerate(ss):
+            if self.owner[j] < 0 or self.owner[j] in whole:
+                self.new_s[j] = _home(x, self.s_home[j])
+
+    def update_stacks(self, length: int, prepared, scalars: bool) -> None:
+        """The stacks of `length` layers and their moments, a layer at a time: the stacks are
+        the loop's carry and each layer is written back in place, so the new parameters and
+        moments take the old ones' (donated) memory. `scalars`: keep the scalars computed."""
+        group = [i for i, s in enumerate(self.stacked) if s and self.p[i].shape[0] == length]
+        mine = [j for j in range(len(self.s)) if self.owner[j] in group]
+        kept = [j for j in range(len(self.s)) if self.owner[j] < 0] if scalars else []
+
+        def layer(carry, xs):
+            (ps, ss, _), (k, g) = carry, xs
+            at = lambda x: jax.lax.dynamic_index_in_dim(x, k, keepdims=False)  # noqa: E731
+            new_ps, new_ss = self.update(
+                lambda i: i in ps, lambda i: to_device(at(ps[i])), lambda i: prepared(g[i]),
+                lambda j: to_device(at(ss[j]) if j in ss else self.s[j]))
+            put = lambda x, new, home: jax.lax.dynamic_update_index_in_dim(  # noqa: E731
+                x, _home(new, home), k, 0)
+            return ({i: put(ps[i], new_ps[i], self.p_home[i]) for i in group},
+                    {j: put(ss[j], new_ss[j], self.s_home[j]) for j in mine},
+                    {j: new_ss[j] for j in kept}), None
+
+        (ps, ss, last), _ = jax.lax.scan(
+            layer, ({i: self.p[i] for i in group}, {j: self.s[j] for j in mine},
+                    {j: self.s[j] for j in kept}),
+            (jnp.arange(length), {i: self.g[i] for i in group}))
+        for i in group:
+            self.new_p[i] = ps[i]
+        for j, x in {**ss, **last}.items():
+            self.new_s[j] = x
+
+    def results(self) -> tuple[Any, Any]:
+        return self.p_def.unflatten(self.new_p), self.s_def.unflatten(self.new_s)
 
 
 def gradients(sums: Any, denominator: jax.Array) -> Any:
