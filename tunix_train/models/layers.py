@@ -65,6 +65,13 @@ def project(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
     return checkpoint_name(y, PROJECTION)
 
 
+def project_unsaved(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
+    """`project` whose output no recomputation policy keeps for the backward pass: unnamed,
+    and a custom VJP (policies see one opaque equation, not a dot), so `save_dots`
+    recomputes it from its inputs. For a LoRA adapter's up-projection (models/lora.py)."""
+    return _project_cpu(x, w, contract)
+
+
 def adapted(module: nnx.Module, name: str, x: jax.Array, contract: int = 1) -> jax.Array:
     """x through `module`'s projection `name` (a weight parameter), plus the update of its
     low-rank adapter where LoRA gave it one (models/lora.py)."""

@@ -25,7 +25,7 @@ from flax import nnx
 
 from tunix_train.config import LoraConfig
 from tunix_train.models.layers import LORA_SUFFIX as SUFFIX
-from tunix_train.models.layers import param, project, scaled_normal
+from tunix_train.models.layers import param, project, project_unsaved, scaled_normal
 
 RANK = "lora_rank"  # logical axis of r: replicated (sharding.RULES)
 
@@ -45,7 +45,9 @@ class Adapter(nnx.Module):
     def __call__(self, x: jax.Array, contract: int) -> jax.Array:
         x = _dropped(x, self.dropout)
         h = project(x, self.a[...], contract)
-        return project(h, self.b[...]) * jnp.asarray(self.scale, h.dtype)
+        # As wide as the base projection's output, which `training.remat=save_dots` keeps
+        # already: kept too, it would double what a LoRA layer saves for the backward pass.
+        return project_unsaved(h, self.b[...]) * jnp.asarray(self.scale, h.dtype)
 
 
 def adapters(lora: LoraConfig, rngs: nnx.Rngs,
