@@ -121,8 +121,9 @@ PARAMS_OFF = ["training.offload_params=true", "training.offload_optimizer=true"]
 @pytest.mark.parametrize("overrides", [
     [mesh_arg(1, 1)],
     [mesh_arg(4, 2), "training.gradient_accumulation_steps=2"],
+    [mesh_arg(4, 2), "training.zero_stage=2"],
     [mesh_arg(4, 2), "training.zero_stage=1", "lora.rank=4", "lora.dropout=0.1"],
-], ids=["1x1", "4x2-accum2", "4x2-zero1-lora"])
+], ids=["1x1", "4x2-accum2", "4x2-zero2", "4x2-zero1-lora"])
 def test_offloaded_parameters_give_the_losses_and_state_of_the_run_without(overrides):
     """Losses equal the run with everything on the device (fp32, 1e-6), and so does every array
     of the final state (within 1e-6 of Adam's steps of 1e-3: the clip's global norm is summed
