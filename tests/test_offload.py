@@ -16,7 +16,7 @@ from tunix_train import checkpoint
 from tunix_train import config as config_lib
 from tunix_train.checkpoint import Checkpoints
 from tunix_train.config import CheckpointConfig, ConfigError
-from tunix_train.training import optim
+from tunix_train.training import offload, optim
 from tunix_train.training import setup as setup_lib
 from tunix_train.training.offload import StreamedUpdate
 from tunix_train.training.setup import Setup
@@ -187,6 +187,6 @@ def test_offload_params_is_refused_by_name_where_it_cannot_run():
                            (["trainer=dpo", "data=preferences", "data.path=x.jsonl"],
                             "trainer=dpo")):
         with pytest.raises(ConfigError, match=f"training.offload_params=true .*{key}"):
-            setup_lib._check_offload_params(compose_config(
+            offload.check_supported(compose_config(
                 *ONE_STACK, *overrides, "training.offload_params=true"),
                 2 if key == "pp=2" else 1)

@@ -7,7 +7,7 @@ The train state keeps the fp32 master weights (and LoRA's frozen base) in pinned
     forward, backward   each layer's shard is copied to the device when the layer loop reaches
                         it, cast and gathered there (parallel/collectives.py `_fetch`); what is
                         not a layer stack (embedding, norms, head) is copied once per step
-    update              `streamed_update`: a loop over each stack's layers copies that layer's
+    update              `StreamedUpdate`: a loop over each stack's layers copies that layer's
                         parameters, moments and gradient slice to the device, updates them and
                         copies the new parameters and moments back; the rest is updated at once
 
@@ -28,11 +28,29 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from tunix_train.config import Config, ConfigError
 from tunix_train.models import quantization
 from tunix_train.parallel.sharding import to_device, to_host
 from tunix_train.training import optim
+from tunix_train.training.state import HOST
 
-HOST = "pinned_host"
+
+def check_supported(cfg: Config, pp: int) -> None:
+    """Parameters in host memory reach the device inside the next-token trainer's layer loop;
+    a pipeline stage's whole stack, and the other trainers' own steps (DPO's reference, GRPO's
+    rollouts), would need them on the device."""
+    if not cfg.training.offload_params:
+        return
+    if pp > 1:
+        raise ConfigError(
+            f"training.offload_params=true with pp={pp} in model.mesh_shape: a pipeline stage "
+            f"fetches its layers whole, not one at a time from host memory; put those devices "
+            f"on fsdp, or set training.offload_params=false.")
+    if cfg.trainer.name != "default":
+        raise ConfigError(
+            f"training.offload_params=true is for the default trainer (pre-training, SFT, "
+            f"LoRA), not trainer={cfg.trainer.name} yet; set training.offload_params=false "
+            f"(training.offload_optimizer=true still offloads the optimizer's moments).")
 
 
 @dataclass(frozen=True)
@@ -154,11 +172,6 @@ class _Pieces:
 
     def results(self) -> tuple[Any, Any]:
         return self.p_def.unflatten(self.new_p), self.s_def.unflatten(self.new_s)
-
-
-def gradients(sums: Any, denominator: jax.Array) -> Any:
-    """The step's fp32 gradients: its gradient sums over the loss's denominator."""
-    return jax.tree.map(lambda g: (g / denominator).astype(jnp.float32), sums)
 
 
 def _on_host(sharding: Any) -> bool:

@@ -36,9 +36,8 @@ from tunix_train.parallel import fsdp, sharding
 from tunix_train.parallel import stages
 from tunix_train.parallel import mesh as mesh_lib
 from tunix_train.parallel.layout import ParamLayout
-from tunix_train.training import optim, reference
+from tunix_train.training import offload, optim, reference
 from tunix_train.training.state import FROZEN, HOST, StateLayout, TrainState
-from tunix_train.training.offload import StreamedUpdate
 from tunix_train.training.train_step import (LossFn, StepOptions, jit_eval_step, jit_train_step,
                                              loss_sums)
 
@@ -64,7 +63,7 @@ class Setup:
         t = cfg.training
         stages.check_layers(cfg.model, shape.pp, t.pipeline_repeats)
         _check_kernel_on_tp(cfg, shape.tp)
-        _check_offload_params(cfg, shape.pp)
+        offload.check_supported(cfg, shape.pp)
         mesh = mesh_lib.create_mesh(shape, devices, processes_per_node)
         params = ParamLayout.create(cfg.model, mesh, t.zero_stage, t.remat, t.mixed_precision,
                                     t.pipeline_repeats, cfg.lora)
@@ -78,7 +77,7 @@ class Setup:
         state = StateLayout.create(params, optimizer, t.offload_optimizer, t.offload_params)
         options = step_options(cfg, params, batch)
         if t.offload_params:
-            options = replace(options, streamed=StreamedUpdate(
+            options = replace(options, streamed=offload.StreamedUpdate(
                 optimizer, cfg.optimizer.grad_clip, params.stacked))
         return cls(cfg, params, state, batch, optimizer,
                    optim.schedule(cfg.optimizer, updates), options)
@@ -297,24 +296,6 @@ def _check_host_memory(devices: list[jax.Device], key: str = "offload_optimizer"
         raise ConfigError(
             f"training.{key}=true needs pinned host memory, which {lacking[0]} "
             f"({lacking[0].platform}) does not offer; set training.{key}=false.")
-
-
-def _check_offload_params(cfg: Config, pp: int) -> None:
-    """Parameters in host memory reach the device inside the next-token trainer's layer loop;
-    a pipeline stage's whole stack, and the other trainers' own steps (DPO's reference, GRPO's
-    rollouts), would need them on the device."""
-    if not cfg.training.offload_params:
-        return
-    if pp > 1:
-        raise ConfigError(
-            f"training.offload_params=true with pp={pp} in model.mesh_shape: a pipeline stage "
-            f"fetches its layers whole, not one at a time from host memory; put those devices "
-            f"on fsdp, or set training.offload_params=false.")
-    if cfg.trainer.name != "default":
-        raise ConfigError(
-            f"training.offload_params=true is for the default trainer (pre-training, SFT, "
-            f"LoRA), not trainer={cfg.trainer.name} yet; set training.offload_params=false "
-            f"(training.offload_optimizer=true still offloads the optimizer's moments).")
 
 
 def step_options(cfg: Config, params: ParamLayout, batch: BatchShape) -> StepOptions:

@@ -24,7 +24,7 @@ from tunix_train.models.head import VocabChunks
 from tunix_train.parallel import fsdp, pipeline, stages
 from tunix_train.parallel.mesh import CP
 from tunix_train.parallel.sharding import LogicalRules, activate, per_shard_rules
-from tunix_train.training.offload import OnDevice, StreamedUpdate, gradients
+from tunix_train.training.offload import OnDevice, StreamedUpdate
 from tunix_train.training.optim import skipped_updates
 from tunix_train.training.state import FROZEN, HOST, StateLayout, TrainState
 
@@ -145,6 +145,11 @@ def train_step_fn(layout: StateLayout, optimizer: optax.GradientTransformation,
         return new_state, metrics
 
     return step
+
+
+def gradients(sums: Any, denominator: jax.Array) -> Any:
+    """The step's fp32 gradients: its gradient sums over the loss's denominator."""
+    return jax.tree.map(lambda g: (g / denominator).astype(jnp.float32), sums)
 
 
 def jit_train_step(layout: StateLayout, optimizer, schedule, options: StepOptions,
