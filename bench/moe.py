@@ -5,7 +5,9 @@
 The MoE model is Qwen 3 MoE with E = 8 experts of width F, each token through 2 of them
 (every layer routed); the dense one is Qwen 3 with an MLP of width 2·F: the same multiply-adds
 per token in every matmul but the router's (d × E). Both train on the same random batch with the
-same attention, on one device and on fsdp 4 × tp 2, timed in alternating rounds; the ratio
+same attention, on one device, on fsdp 4 × tp 2 and with the experts split over devices on
+fsdp 2 × ep 4 (the dense model there on fsdp 8: ep devices are data-parallel ranks for every
+weight but the experts), timed in alternating rounds; the ratio
 step(MoE) / step(dense) is what routing costs: the router, the sort, the tiles' padding (at
 most half the rows again) and moving rows to their experts and back. `model.moe_matmul=
 ragged_dot` (jax.lax.ragged_dot, which XLA's CPU compiler turns into every row times every
@@ -29,16 +31,20 @@ SHARED = ["model.num_layers=4", "model.embed_dim=256", "model.num_heads=4",
 MOE = ["model=qwen3_moe_tiny", f"model.num_experts={EXPERTS}",
        f"model.experts_per_token={TOP_K}", f"model.expert_hidden_dim={EXPERT_WIDTH}"]
 DENSE = ["model=qwen3_tiny", f"model.hidden_dim={TOP_K * EXPERT_WIDTH}"]
-MESHES = {"1 device": ('model.mesh_shape=[[1,1],["fsdp","tp"]]', 1),
-          "fsdp 4 x tp 2": ('model.mesh_shape=[[4,2],["fsdp","tp"]]', 8)}
+# name: (the MoE's mesh, the dense model's, devices, data-parallel ranks)
+MESHES = {"1 device": ('model.mesh_shape=[[1,1],["fsdp","tp"]]',) * 2 + (1, 1),
+          "fsdp 4 x tp 2": ('model.mesh_shape=[[4,2],["fsdp","tp"]]',) * 2 + (8, 4),
+          "fsdp 2 x ep 4": ('model.mesh_shape=[[2,4,1],["fsdp","ep","tp"]]',
+                            'model.mesh_shape=[[8,1],["fsdp","tp"]]', 8, 8)}
 
 
 def main(overrides: list[str]) -> dict:
     rows = []
-    for name, (mesh, devices) in MESHES.items():
-        micro = [f"training.micro_batch_size={8 // (4 if devices == 8 else 1)}"]
+    for name, (mesh, dense_mesh, devices, ranks) in MESHES.items():
+        micro = [f"training.micro_batch_size={8 // ranks}"]
         runs = {
-            "dense": train_stepper([*DENSE, *SHARED, *overrides, mesh, *micro], devices)[1],
+            "dense": train_stepper([*DENSE, *SHARED, *overrides, dense_mesh, *micro],
+                                   devices)[1],
             "tiles": train_stepper([*MOE, *SHARED, *overrides, mesh, *micro], devices)[1],
             "ragged_dot": train_stepper([*MOE, *SHARED, *overrides, mesh, *micro,
                                          "model.moe_matmul=ragged_dot"], devices)[1],

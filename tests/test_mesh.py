@@ -38,7 +38,8 @@ def test_a_pipeline_axis_is_optional_and_filled_like_the_others():
     assert mesh_lib.parse([[8, 1], ["fsdp", "tp"]], 8).pp == 1
     mesh = mesh_lib.create_mesh(mesh_lib.parse([[2, 2, 2], ["pp", "fsdp", "tp"]], 8))
     assert dict(mesh.shape) == {"pp": 2, "fsdp": 2, "tp": 2}
-    with pytest.raises(ConfigError, match=r"must be \['fsdp', 'tp'\], with \"pp\" and/or \"cp\""):
+    with pytest.raises(ConfigError,
+                       match=r"must be \['fsdp', 'tp'\], with \"pp\", \"cp\" and/or \"ep\""):
         mesh_lib.parse([[2, 4], ["pp", "fsdp"]], 8)
     with pytest.raises(ConfigError, match=r"each once"):
         mesh_lib.parse([[2, 2, 2], ["cp", "fsdp", "cp"]], 8)

@@ -57,6 +57,9 @@ class ModelConfig:
     # (jax.lax.ragged_dot: XLA's CPU and GPU compilers multiply every row by every expert)
     moe_capacity_factor: Optional[float] = None  # None = dropless; else each expert takes at
     # most factor x its mean share of a micro-batch's rows, the rest dropped (logged)
+    moe_ep_buffer_factor: Optional[float] = None  # None = dropless over ep (blocks sized for the
+    # worst case); else each device sends each ep shard at most factor x its mean share of rows,
+    # the rest dropped (logged in moe_dropped_fraction)
     attention_impl: str = "auto"  # auto (cudnn on GPUs where it applies, else blockwise) | blockwise | cudnn | pallas | xla
     cp_exchange: str = "all_gather"  # how keys and values cross the cp axis: all_gather | ring
     unroll_layers: bool = False  # unroll the scans over layers: faster steps on CPU (1.4x on

@@ -137,6 +137,7 @@ def _record(setup, costs, compile_s: float) -> dict[str, Any]:
                         if cfg.lora.on else 0),
         "active_params": families.active_params(cfg.model),  # per token (mixture of experts)
         "lora": setup.lora_line() if cfg.lora.on else None,
+        "experts": families.experts_line(cfg.model, setup.mesh.shape.get("ep", 1)),
         "zero_stage": cfg.training.zero_stage,
         "compute_dtype": jnp.dtype(setup.options.compute_dtype).name,
         "sequences_per_step": setup.batch.sequences,
@@ -150,13 +151,13 @@ def _record(setup, costs, compile_s: float) -> dict[str, Any]:
         "collectives": [c.__dict__ for c in costs.comm.collectives],
         "gradient_reductions_per_step": costs.comm.gradient_reductions_per_step,
         "pipeline": stages.describe(setup.options.pipeline, cfg.model,
-                                    setup.batch.rows // setup.options.sync.fsdp),
+                                    setup.batch.rows // setup.options.sync.data_ranks),
         "device_memory_gb": cfg.plan.device_memory_gb,
         "host_memory_gb": cfg.plan.host_memory_gb,
         "fits": on_device and on_host,
         "fits_device": on_device,
         "fits_host": on_host,
-        "suggestions": suggestions(cfg, setup.batch.rows // setup.options.sync.fsdp),
+        "suggestions": suggestions(cfg, setup.batch.rows // setup.options.sync.data_ranks),
         "compile_seconds": round(compile_s, 1),
     }
 
@@ -214,6 +215,7 @@ def _summary(record: dict[str, Any], costs) -> list[str]:
         f"{record['tokens_per_step']:,} tokens per step (compiled in "
         f"{record['compile_seconds']} s)",
         *([record["lora"]] if record["lora"] else []),
+        *([record["experts"]] if record["experts"] else []),
         *([stages.line(record["pipeline"])] if record["pipeline"] else []),
         *costs.memory_lines("GB"), costs.sync_line(),
         f"FLOPs per step (all devices, as compiled): {record['flops_per_step']:.3e}",

@@ -77,6 +77,7 @@ _RANGES = {
     ("model", "num_experts"): _NATURAL, ("model", "experts_per_token"): _COUNT,
     ("model", "expert_hidden_dim"): _NATURAL, ("model", "moe_every"): _COUNT,
     ("model", "router_aux_loss_coef"): _NATURAL, ("model", "moe_capacity_factor"): _POSITIVE,
+    ("model", "moe_ep_buffer_factor"): _POSITIVE,
     ("training", "moe_aux_loss_weight"): _NATURAL, ("training", "router_z_loss_weight"): _NATURAL,
     ("data", "seq_len"): _COUNT, ("data", "max_corpus_bytes"): _COUNT,
     ("data", "validation_fraction"): _Range(0, 1, low_open=True, high_open=True),

@@ -76,9 +76,12 @@ class StepCosts:
 
     def sync_line(self) -> str:
         sync = self.sync
-        if sync.fsdp * sync.cp == 1:
+        if sync.data_ranks * sync.cp == 1:
             return "gradient sync: none (fsdp=1: every device sees the whole batch)"
         over = " × ".join(sync.data_group)  # fsdp, or fsdp × cp: the devices with other tokens
+        if sync.ep > 1:  # an expert's gradient has no copy on the other ep devices
+            over += " (the experts' over " + " × ".join(a for a in sync.data_group
+                                                          if a != "ep") + ")"
         kind = "reduce-scatter" if sync.scatters else "all-reduce"
         dtype = jnp.dtype(sync.reduce_dtype).name
         measured = self.comm.gradient_reductions_per_step

@@ -76,21 +76,34 @@ class Experts(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, activation: str):
         D, F, E = cfg.embed_dim, cfg.expert_hidden_dim, cfg.num_experts
-        self.router = param(scaled_normal(rngs, (D, E), D), "embed", "experts")
+        self.router = param(scaled_normal(rngs, (D, E), D), "embed", "expert_scores")
         self.gate = param(scaled_normal(rngs, (E, D, F), D), "experts", "embed", "expert_mlp")
         self.up = param(scaled_normal(rngs, (E, D, F), D), "experts", "embed", "expert_mlp")
         self.down = param(scaled_normal(rngs, (E, F, D), F), "experts", "expert_mlp", "embed")
         self.gated = GATED[activation]
         self.top_k, self.normalize = cfg.experts_per_token, cfg.normalize_top_k
         self.matmul, self.capacity_factor = cfg.moe_matmul, cfg.moe_capacity_factor
+        self.buffer_factor, self.num_experts = cfg.moe_ep_buffer_factor, E
 
     def __call__(self, x_BxLxD: jax.Array) -> tuple[jax.Array, moe.Statistics]:
         B, L, D = x_BxLxD.shape
         x_TxD = x_BxLxD.reshape(B * L, D)
         routing = moe.route(x_TxD, self.router[...], self.top_k, self.normalize)
-        y_TxD = moe.experts_mlp(x_TxD, routing, self.gate[...], self.up[...], self.down[...],
-                                self.gated, self.matmul, self.capacity_factor)
-        return y_TxD.reshape(B, L, D), moe.statistics(routing, self.capacity_factor)
+        gate = self.gate[...]  # this device's experts: a shard of them under expert parallelism
+        y_TxD = moe.experts_mlp(x_TxD, routing, gate, self.up[...], self.down[...], self.gated,
+                                self.matmul, self.capacity_factor, self.buffer_factor)
+        return y_TxD.reshape(B, L, D), moe.statistics(routing, self.capacity_factor,
+                                                      self._blocks(B * L, gate.shape[0]))
+
+    def _blocks(self, tokens: int, held: int) -> moe.Blocks | None:
+        """How rows travel where this device holds `held` of the experts (None: all)."""
+        E = self.num_experts
+        if held == E:
+            return None
+        per_expert = None if self.capacity_factor is None else moe.capacity(
+            tokens * self.top_k, E, self.capacity_factor)
+        return moe.plan_blocks(tokens, self.top_k, held, E // held, per_expert,
+                               self.buffer_factor)
 
 
 class DecoderLayer(nnx.Module):

@@ -56,7 +56,21 @@ def embedding_size(model: ModelConfig) -> int:
 def active_params(model: ModelConfig) -> int:
     """Parameters a token's forward pass multiplies by: all of them, less in each routed layer
     the experts it does not go to (E - k of E), as MFU and a mixture's "A3B" count them."""
+    idle = model.num_experts - model.experts_per_token
+    return count_params(model) - idle * expert_params(model) // max(model.num_experts, 1)
+
+
+def expert_params(model: ModelConfig) -> int:
+    """Parameters of every routed layer's experts (their gate, up and down projections)."""
     layout = of(model).layout(model)
     routed = sum(layout.count(stack) for stack in layout.routed)
-    idle = model.num_experts - model.experts_per_token
-    return count_params(model) - routed * idle * 3 * model.embed_dim * model.expert_hidden_dim
+    return routed * model.num_experts * 3 * model.embed_dim * model.expert_hidden_dim
+
+
+def experts_line(model: ModelConfig, ep: int) -> str | None:
+    """What each device holds of a mixture's experts (None for a dense model)."""
+    if not model.num_experts:
+        return None
+    return (f"experts: {model.num_experts // ep} of {model.num_experts} per routed layer on "
+            f"each device (ep={ep}): {expert_params(model) // ep:,} of "
+            f"{expert_params(model):,} expert parameters")

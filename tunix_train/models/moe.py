@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from tunix_train.models import params as model_params
 from tunix_train.models.layers import PROJECTION
 
 
@@ -52,7 +53,8 @@ def route(x_TxD: jax.Array, router_DxE: jax.Array, top_k: int, normalize: bool) 
 
 def experts_mlp(x_TxD: jax.Array, routing: Routing, gate_ExDxF: jax.Array, up_ExDxF: jax.Array,
                 down_ExFxD: jax.Array, gated: Callable[[jax.Array, jax.Array], jax.Array],
-                matmul: str = "tiles", capacity_factor: float | None = None) -> jax.Array:
+                matmul: str = "tiles", capacity_factor: float | None = None,
+                buffer_factor: float | None = None) -> jax.Array:
     """Σ over each token's k experts of weight · down(gated(gate(x), up(x))), each expert's
     projections applied to its own tokens only. The tokens are gathered once into their
     experts' rows (`Rows`: `matmul` says how they are laid out and multiplied, `MATMULS`), the
@@ -61,24 +63,97 @@ def experts_mlp(x_TxD: jax.Array, routing: Routing, gate_ExDxF: jax.Array, up_Ex
     most `capacity(...)` rows, the first in token order (then top-k order); the others are
     dropped (they add nothing to their token's output). The three projections' outputs are
     named as a dense layer's are (`PROJECTION`), so `training.remat=save_dots` keeps them for
-    the backward pass rather than multiplying again."""
+    the backward pass rather than multiplying again. Given fewer experts than the router
+    scores (this device's shard of them, expert parallelism), the rows travel (`exchanged`,
+    in `blocks` bounded by `buffer_factor`)."""
     T, k = routing.experts_TxK.shape
-    num_experts = gate_ExDxF.shape[0]
+    num_experts, held = routing.probs_TxE.shape[1], gate_ExDxF.shape[0]
     expert_of_A = routing.experts_TxK.reshape(T * k)  # A = T·k assignments, token-major
-    if capacity_factor is None:
-        rows = MATMULS[matmul](expert_of_A, k, num_experts)
+    mlp = functools.partial(_mlp, gate_ExDxF=gate_ExDxF, up_ExDxF=up_ExDxF,
+                            down_ExFxD=down_ExFxD, gated=gated)
+    per_expert = None if capacity_factor is None else capacity(T * k, num_experts,
+                                                               capacity_factor)
+    if held < num_experts:
+        y_TxKxD = exchanged(x_TxD, expert_of_A, k,
+                            plan_blocks(T, k, held, num_experts // held, per_expert,
+                                        buffer_factor),
+                            MATMULS[matmul], mlp, per_expert)
     else:
-        rows = capped(expert_of_A, k, num_experts,
-                      capacity(T * k, num_experts, capacity_factor))
-    dtype = x_TxD.dtype
-    x_PxD = rows.from_tokens(x_TxD)
+        if per_expert is None:
+            rows = MATMULS[matmul](expert_of_A, k, num_experts)
+        else:
+            rows = capped(expert_of_A, k, num_experts, per_expert)
+        y_TxKxD = rows.to_tokens(mlp(rows.from_tokens(x_TxD), rows), T)
+    return jnp.einsum("tkd,tk->td", y_TxKxD, routing.weights_TxK)
 
+
+def _mlp(x_PxD: jax.Array, rows: Rows, gate_ExDxF: jax.Array, up_ExDxF: jax.Array,
+         down_ExFxD: jax.Array, gated: Callable) -> jax.Array:
+    """The experts' gated MLP on their rows (`rows` says whose they are)."""
     def project(lhs_PxI: jax.Array, weight_ExIxO: jax.Array) -> jax.Array:
-        return checkpoint_name(rows.matmul(lhs_PxI, weight_ExIxO.astype(dtype)), PROJECTION)
+        return checkpoint_name(rows.matmul(lhs_PxI, weight_ExIxO.astype(x_PxD.dtype)),
+                               PROJECTION)
 
     h_PxF = gated(project(x_PxD, gate_ExDxF), project(x_PxD, up_ExDxF))
-    y_PxD = project(h_PxF, down_ExFxD)
-    return jnp.einsum("tkd,tk->td", rows.to_tokens(y_PxD, T), routing.weights_TxK)
+    return project(h_PxF, down_ExFxD)
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """How a device's rows travel to experts split over devices (expert parallelism): `shards`
+    shards of `held` experts, one per device, each sent a block of `rows` rows."""
+
+    held: int
+    shards: int
+    rows: int
+
+
+def plan_blocks(tokens: int, k: int, held: int, shards: int, per_expert: int | None = None,
+           buffer_factor: float | None = None) -> Blocks:
+    """The rows of a block: the worst case, T · min(k, held) (a token's k experts are distinct),
+    so that no row is ever dropped; with a capacity, at most `held` capacities; with a
+    `buffer_factor` (model.moe_ep_buffer_factor), at most that factor × a shard's mean share
+    T·k / shards, the rows past it dropped (counted as `statistics` counts them)."""
+    rows = tokens * min(k, held)
+    if per_expert is not None:
+        rows = min(rows, held * per_expert)
+    if buffer_factor is not None:
+        rows = min(rows, max(1, math.ceil(buffer_factor * tokens * k / shards)))
+    return Blocks(held, shards, rows)
+
+
+def exchanged(x_TxD: jax.Array, expert_of_A: jax.Array, k: int, blocks: Blocks,
+              layout: Callable[..., Rows], mlp: Callable[[jax.Array, Rows], jax.Array],
+              per_expert: int | None = None) -> jax.Array:
+    """Each token's k results [T, k, D] where the experts are split over devices, this device
+    holding one shard of them (expert parallelism): the assignments are grouped by shard into
+    a block of C rows per shard (`plan_blocks`), the blocks exchanged (models/params.py's
+    `exchange`: an all-to-all), each device runs its experts' MLP on the rows it received
+    (laid out by `layout`, one of `MATMULS`), and the results travel back the same way. A
+    block's unused rows are padding, which no expert takes. With a capacity (`per_expert` rows
+    of these T tokens per expert, as `capped` keeps them), the rows past it are dropped before
+    they travel; so are the rows past a block's C (only where `plan_blocks` bounds it)."""
+    T, D = x_TxD.shape
+    held, shards, C = blocks.held, blocks.shards, blocks.rows
+    shard_of_A = expert_of_A // held
+    if per_expert is not None:
+        _, _, rank_A = _sorted(expert_of_A, held * shards)
+        shard_of_A = jnp.where(rank_A < per_expert, shard_of_A, -1)
+    _, _, rank_A = _sorted(shard_of_A, shards)
+    slot_A = _none_for_padding(shard_of_A * C + rank_A, jnp.where(rank_A < C, shard_of_A, -1))
+    sent = Rows(_rows_from(slot_A, k, shards * C), slot_A, _no_matmul)
+    # Each slot's expert among its shard's (-1: padding).
+    expert_Q = jnp.full(shards * C, -1, jnp.int32).at[_dropped_out(slot_A, shards * C)].set(
+        expert_of_A % held, mode="drop")
+    x_QxD = model_params.exchange(sent.from_tokens(x_TxD).reshape(shards, C, D)).reshape(-1, D)
+    expert_Q = model_params.exchange(expert_Q.reshape(shards, C)).reshape(-1)
+    rows = layout(expert_Q, 1, held)  # each received row its own token, of one expert
+    y_QxD = rows.to_tokens(mlp(rows.from_tokens(x_QxD), rows), shards * C).reshape(-1, D)
+    return sent.to_tokens(model_params.exchange(y_QxD.reshape(shards, C, D)).reshape(-1, D), T)
+
+
+def _no_matmul(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+    raise TypeError("these rows only travel: no matmul lays them out")
 
 
 @dataclass(frozen=True)
@@ -106,13 +181,20 @@ class Rows:
 
 def _sorted(expert_of_A: jax.Array, experts: int):
     """The assignments grouped by expert (stable: token order within each): per expert its
-    count and where its group starts, and each assignment's expert and rank in its group."""
+    count and where its group starts, and each assignment's rank in its group. An assignment
+    to no expert (-1: a padding row, `exchanged`) counts in no group and sorts last."""
+    expert_of_A = jnp.where(expert_of_A >= 0, expert_of_A, experts)
     sizes_E = jnp.bincount(expert_of_A, length=experts).astype(jnp.int32)
     start_E = jnp.cumsum(sizes_E) - sizes_E
     order = jnp.argsort(expert_of_A, stable=True)
     rank_A = jnp.zeros_like(expert_of_A).at[order].set(
         jnp.arange(expert_of_A.shape[0], dtype=expert_of_A.dtype)) - start_E[expert_of_A]
     return sizes_E, start_E, rank_A
+
+
+def _none_for_padding(row_A: jax.Array, expert_of_A: jax.Array) -> jax.Array:
+    """row_A with -1 (no row) for the padding rows' assignments (expert -1)."""
+    return jnp.where(expert_of_A >= 0, row_A, -1).astype(jnp.int32)
 
 
 def _rows_from(row_A: jax.Array, k: int, count: int) -> jax.Array:
@@ -176,7 +258,7 @@ def tiled(expert_of_A: jax.Array, k: int, experts: int) -> Rows:
     sizes_E, _, rank_A = _sorted(expert_of_A, experts)
     tiles_E = (sizes_E + tile - 1) // tile
     first_tile_E = jnp.cumsum(tiles_E) - tiles_E
-    row_A = (first_tile_E[expert_of_A] * tile + rank_A).astype(jnp.int32)
+    row_A = _none_for_padding(first_tile_E[expert_of_A] * tile + rank_A, expert_of_A)
     # Tile n's expert: how many experts' tiles end at or before it (unused tiles: the last).
     expert_N = jnp.minimum(jnp.searchsorted(jnp.cumsum(tiles_E), jnp.arange(n_tiles),
                                             side="right"), experts - 1)
@@ -198,8 +280,8 @@ def capped(expert_of_A: jax.Array, k: int, experts: int, per_expert: int) -> Row
     """Each expert's first `per_expert` rows in a block of its own, [E, C, D] × [E, D, F] in
     one batched matmul; the rows past an expert's capacity are dropped."""
     _, _, rank_A = _sorted(expert_of_A, experts)
-    row_A = jnp.where(rank_A < per_expert, expert_of_A * per_expert + rank_A, -1).astype(
-        jnp.int32)
+    row_A = _none_for_padding(
+        jnp.where(rank_A < per_expert, expert_of_A * per_expert + rank_A, -1), expert_of_A)
 
     def matmul(lhs_PxD: jax.Array, rhs_ExDxF: jax.Array) -> jax.Array:
         y_ExCxF = jnp.einsum("ecd,edf->ecf", lhs_PxD.reshape(experts, per_expert, -1),
@@ -214,7 +296,7 @@ def ragged(expert_of_A: jax.Array, k: int, experts: int,
     """The assignments sorted by expert, `jax.lax.ragged_dot` (or another function of its
     signature, `dot`) multiplying them: one grouped matmul, as fast as its lowering."""
     sizes_E, start_E, rank_A = _sorted(expert_of_A, experts)
-    row_A = (start_E[expert_of_A] + rank_A).astype(jnp.int32)
+    row_A = _none_for_padding(start_E[expert_of_A] + rank_A, expert_of_A)
     matmul = lambda lhs, rhs: dot(lhs, rhs, sizes_E)  # noqa: E731
     return Rows(_rows_from(row_A, k, expert_of_A.shape[0]), row_A, matmul)
 
@@ -243,13 +325,19 @@ MATMULS = {"tiles": tiled, "ragged_dot": ragged,
 Statistics = dict[str, jax.Array]
 
 
-def statistics(routing: Routing, capacity_factor: float | None = None) -> Statistics:
-    """Also `dropped`: the assignments past their expert's capacity (0 when dropless)."""
+def statistics(routing: Routing, capacity_factor: float | None = None,
+               blocks: Blocks | None = None) -> Statistics:
+    """Also `dropped`: the assignments past their expert's capacity, and (experts split over
+    devices, `blocks`) past their block's rows (0 when dropless)."""
     T, num_experts = routing.probs_TxE.shape
     k = routing.experts_TxK.shape[1]
     assigned_E = jnp.zeros(num_experts, jnp.float32).at[routing.experts_TxK.reshape(-1)].add(1.0)
-    dropped = jnp.zeros((), jnp.float32) if capacity_factor is None else jnp.sum(
-        jnp.maximum(assigned_E - capacity(T * k, num_experts, capacity_factor), 0.0))
+    kept_E = assigned_E if capacity_factor is None else jnp.minimum(
+        assigned_E, capacity(T * k, num_experts, capacity_factor))
+    dropped = jnp.sum(assigned_E - kept_E)
+    if blocks is not None:
+        per_shard = jnp.sum(kept_E.reshape(blocks.shards, blocks.held), axis=1)
+        dropped = dropped + jnp.sum(jnp.maximum(per_shard - blocks.rows, 0.0))
     return {"assigned_E": assigned_E, "probs_E": jnp.sum(routing.probs_TxE, axis=0),
             "z": jnp.sum(jnp.square(routing.logsumexp_T)),
             "tokens": jnp.asarray(T, jnp.float32), "dropped": dropped}

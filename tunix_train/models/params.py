@@ -8,6 +8,9 @@ Model code reads parameters in two ways, both right before use:
     stage_rows(s, ...)   a pipeline stage's rows of a stack stored whole over the stages
     take(table, ids)     rows of an embedding table (the token lookup)
 
+and a mixture of experts split over devices (expert parallelism) sends its tokens' rows to the
+devices of their experts and the results back through `exchange` (models/moe.py).
+
 Outside `hooked(...)` both are what they say. A trainer installs a `ParamHook` to fetch
 parameters just in time: FSDP all-gathers a layer's shards in `materialize`, and its custom VJP
 reduces the layer's gradient where the backward pass produces it (parallel/collectives.py).
@@ -39,6 +42,8 @@ class ParamHook(Protocol):
     def stage_rows(self, state: Any, stages: int, rows: int) -> tuple[Any, Any]: ...
 
     def take(self, table: Any, ids: jax.Array) -> jax.Array: ...
+
+    def exchange(self, rows: jax.Array) -> jax.Array: ...
 
 
 _hook: contextvars.ContextVar[ParamHook | None] = contextvars.ContextVar(
@@ -73,6 +78,16 @@ def take(table: Any, ids: jax.Array) -> jax.Array:
     """`table[ids]`: rows of an embedding table ([V, D] → ids.shape + [D])."""
     hook = _hook.get()
     return jnp.take(table, ids, axis=0) if hook is None else hook.take(table, ids)
+
+
+def exchange(rows_SxCx: jax.Array) -> jax.Array:
+    """Rows [S, C, ...] for S devices holding a routed layer's experts in S shards: row block s
+    goes to shard s's device, and block s of the result came from device s (an all-to-all).
+    Only a hook that splits the experts knows those devices (parallel/collectives.py)."""
+    hook = _hook.get()
+    if hook is None:
+        raise RuntimeError("experts split over devices exist only inside the train step")
+    return hook.exchange(rows_SxCx)
 
 
 @contextlib.contextmanager

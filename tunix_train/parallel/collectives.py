@@ -6,6 +6,7 @@ and reduce its gradient, as custom VJPs (parallel/fsdp.py builds the step's grad
                   else all-reduce)
     fetch_stage   a pipeline stage's rows of a layer stack stored whole over pp
     take          rows of an embedding table: ids and rows travel, never the [V, D] gradient
+    exchange      a routed layer's rows to their experts' devices over ep, or back (all-to-all)
 
 `FsdpHook` serves them to model code through models/params.py's hook. A `How` says what each
 does for one parameter; the reductions run under the named scope `SYNC_SCOPE`, which the
@@ -25,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from tunix_train import backend
 from tunix_train.models import params as model_params
-from tunix_train.parallel.mesh import FSDP, PP
+from tunix_train.parallel.mesh import EP, FSDP, PP
 from tunix_train.parallel.sharding import to_device
 
 SYNC_SCOPE = "gradient_sync"  # named scope of the reductions; the comm report looks for it
@@ -134,6 +135,11 @@ class FsdpHook:
         rest = jax.tree.map(lambda f: Fetch(f.param[stages * rows:], f.target[stages * rows:],
                                             f.how), state, is_leaf=is_fetch)
         return mine, rest
+
+    def exchange(self, rows_SxCx: jax.Array) -> jax.Array:
+        """Row block s to the s-th device of this device's ep group, block s of the result from
+        it: the transpose is the same exchange, so the backward pass sends gradients home."""
+        return jax.lax.all_to_all(rows_SxCx, EP, split_axis=0, concat_axis=0, tiled=True)
 
     def take(self, table: Fetch, ids: jax.Array) -> jax.Array:
         rows_TxD = _take(table.param, table.target, ids.reshape(-1), table.how,

@@ -55,7 +55,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tunix_train.models import params as model_params
 from tunix_train.parallel.collectives import SYNC_SCOPE, Fetch, FsdpHook, How, blockwise, reduce_one
 from tunix_train.parallel.layout import merged
-from tunix_train.parallel.mesh import CP, FSDP, PP
+from tunix_train.parallel.mesh import CP, EP, FSDP, PP
 from tunix_train.parallel.sharding import to_device
 
 
@@ -94,14 +94,30 @@ class GradientSync:
         return self.mesh.shape.get(CP, 1)
 
     @property
+    def ep(self) -> int:
+        return self.mesh.shape.get(EP, 1)
+
+    @property
+    def data_ranks(self) -> int:
+        """Devices with batch rows of their own: fsdp × ep."""
+        return self.fsdp * self.ep
+
+    @property
     def manual_axes(self) -> set[str]:
-        return {FSDP} | ({PP} if self.pp > 1 else set()) | ({CP} if self.cp > 1 else set())
+        return {FSDP} | {axis for axis in (PP, CP, EP) if self.mesh.shape.get(axis, 1) > 1}
 
     @property
     def data_group(self) -> tuple[str, ...]:
         """The axes whose devices compute on different tokens: every gradient is summed over
-        them (fsdp's rows, cp's chunks of each row)."""
-        return (FSDP, CP) if self.cp > 1 else (FSDP,)
+        them (fsdp's and ep's rows, cp's chunks of each row) where it has copies there."""
+        return (FSDP,) + tuple(axis for axis in (EP, CP) if self.mesh.shape.get(axis, 1) > 1)
+
+    @property
+    def batch_spec(self) -> P:
+        """A [micro-batches, rows, seq] batch as the shard_map splits it: rows over the data
+        axes (fsdp, ep), each row's sequence over cp."""
+        rows = (FSDP, EP) if self.ep > 1 else FSDP
+        return P(None, rows, CP) if self.cp > 1 else P(None, rows)
 
     def reduction_group(self, spec: P) -> tuple[str, ...]:
         """The devices one parameter's gradient is summed over: the data axes over which it has
@@ -142,7 +158,7 @@ def _fsdp_group(spec: P) -> tuple[str, ...]:
     return () if axis is None else _names(spec[axis])
 
 
-_MANUAL = (FSDP, PP, CP)  # the shard_map's manual axes (pp, cp only on meshes with them)
+_MANUAL = (FSDP, PP, CP, EP)  # the shard_map's manual axes (pp, cp, ep: on meshes with them)
 
 
 def _is_manual(entry: Any) -> bool:
@@ -150,7 +166,7 @@ def _is_manual(entry: Any) -> bool:
 
 
 def _manual_only(spec: P) -> P:
-    """The manual (fsdp, pp, cp) part of a spec: shard_map's in/out specs name only manual
+    """The manual (fsdp, pp, cp, ep) part of a spec: shard_map's in/out specs name only manual
     axes."""
     return P(*(axis if _is_manual(axis) else None for axis in spec))
 
@@ -163,9 +179,9 @@ def _without_fsdp(spec: P, skip: int = 0) -> P:
 def _local_shape(shape: tuple[int, ...], spec: P, mesh: Mesh, reduced: bool) -> tuple[int, ...]:
     """The block of `shape` one device holds of a gradient laid out as `spec`: reduced, its
     block along the manual axes; unreduced, the whole of every dimension but a pipeline
-    stage's layers."""
+    stage's layers and the experts split over ep (held by no other device)."""
     def local(d, entry):
-        if reduced and _is_manual(entry):
+        if _is_manual(entry) and (reduced or entry == EP):
             return d // math.prod(mesh.shape[a] for a in _names(entry))
         return d // mesh.shape[PP] if entry == PP else d
 
@@ -255,7 +271,7 @@ def accumulated_gradients(sync: GradientSync, loss_fn: Callable, params: Any, ba
     """
     spec_of = lambda specs: jax.tree.map(_manual_only, specs, is_leaf=lambda x: isinstance(x, P))  # noqa: E731
     # Every stage of a pipeline sees its fsdp shard's rows; under cp, its chunk of each row.
-    batch_spec = P(None, FSDP, CP) if sync.cp > 1 else P(None, FSDP)
+    batch_spec = sync.batch_spec
     frozen_spec = None if frozen is None else spec_of(sync.frozen_specs)
     return jax.shard_map(
         functools.partial(_device_gradients, sync, loss_fn, params),

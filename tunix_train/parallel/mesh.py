@@ -2,12 +2,16 @@
 
 `mesh_shape` is `[[sizes...], [names...]]`, e.g. `[[4, 2], ["fsdp", "tp"]]`, with pipeline
 stages `[[2, 2, 2], ["pp", "fsdp", "tp"]]`, with each sequence split over devices (context
-parallelism) `[[2, 2, 2], ["fsdp", "cp", "tp"]]`; one size may be -1 and is filled from the
-device count. None (the default) puts every device on fsdp. Devices are ordered so that `tp`
-groups stay inside one process (one host or GPU group), then `cp` groups, `fsdp` spans processes,
-and `pp` is outermost: tensor parallelism communicates every layer's activations, context
-parallelism every attention layer's keys and values, data parallelism once per layer's weights,
-and pipeline stages only their boundary activations, so `pp` is the axis for the slowest links.
+parallelism) `[[2, 2, 2], ["fsdp", "cp", "tp"]]`, with a mixture of experts' experts split over
+devices (expert parallelism) `[[2, 2, 2], ["fsdp", "ep", "tp"]]`; one size may be -1 and is
+filled from the device count. None (the default) puts every device on fsdp. Devices are ordered
+so that `tp` groups stay inside one process (one host or GPU group), then `cp` groups, then `ep`
+groups, `fsdp` spans processes, and `pp` is outermost: tensor parallelism communicates every
+layer's activations, context parallelism every attention layer's keys and values, expert
+parallelism every routed layer's tokens (an all-to-all each way), data parallelism once per
+layer's weights, and pipeline stages only their boundary activations, so `pp` is the axis for
+the slowest links. An ep device is a data-parallel rank (its own batch rows) for every weight
+but the experts it holds.
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ FSDP = "fsdp"
 TP = "tp"
 PP = "pp"
 CP = "cp"
-AXES = (FSDP, TP)  # always present; PP and CP are optional
-ORDER = (PP, FSDP, CP, TP)  # outermost to innermost in the device grid
+EP = "ep"
+AXES = (FSDP, TP)  # always present; PP, CP and EP are optional
+ORDER = (PP, FSDP, EP, CP, TP)  # outermost to innermost in the device grid
 DEFAULT_SHAPE = [[-1, 1], [FSDP, TP]]  # model.mesh_shape=None: every device on fsdp
 
 log = logging.getLogger(__name__)
@@ -62,14 +67,23 @@ class MeshShape:
     def cp(self) -> int:
         return self.size(CP) if CP in self.names else 1
 
+    @property
+    def ep(self) -> int:
+        return self.size(EP) if EP in self.names else 1
+
+    @property
+    def data(self) -> int:
+        """Devices that compute on different batch rows: fsdp × ep."""
+        return self.fsdp * self.ep
+
 
 def parse(mesh_shape: Sequence[Any] | None, num_devices: int) -> MeshShape:
     """Checks `model.mesh_shape` against the device count and fills a single -1."""
     sizes, names = _split(DEFAULT_SHAPE if mesh_shape is None else mesh_shape)
     if not set(AXES) <= set(names) <= set(ORDER) or len(set(names)) != len(names):
         raise ConfigError(
-            f"model.mesh_shape names {list(names)} must be {list(AXES)}, with \"pp\" and/or "
-            f"\"cp\" beside them if wanted, each once, in some order."
+            f"model.mesh_shape names {list(names)} must be {list(AXES)}, with \"pp\", \"cp\" "
+            f"and/or \"ep\" beside them if wanted, each once, in some order."
         )
     if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
         raise ConfigError(
@@ -142,7 +156,7 @@ def create_mesh(shape: MeshShape, devices: Sequence[jax.Device] | None = None,
 
 def _device_grid(shape: MeshShape, devices: list[jax.Device], per_node: int) -> np.ndarray:
     """Device array in the order of `shape.names`: tp groups inside a process, else a node."""
-    if PP in shape.names or CP in shape.names:
+    if {PP, CP, EP} & set(shape.names):
         grid = _ordered_grid(shape, devices)
         present = [axis for axis in ORDER if axis in shape.names]
         return grid.transpose([present.index(n) for n in shape.names])
@@ -169,9 +183,9 @@ def _device_grid(shape: MeshShape, devices: list[jax.Device], per_node: int) -> 
 
 
 def _ordered_grid(shape: MeshShape, devices: list[jax.Device]) -> np.ndarray:
-    """The axes present in ORDER ([pp, fsdp, cp, tp]): devices in (process, id) order, so tp is
-    innermost (inside a process), cp next, and pp outermost: consecutive processes (one node's)
-    form a stage, stages span nodes."""
+    """The axes present in ORDER ([pp, fsdp, ep, cp, tp]): devices in (process, id) order, so tp
+    is innermost (inside a process), cp and ep next, and pp outermost: consecutive processes
+    (one node's) form a stage, stages span nodes."""
     sizes = tuple(shape.size(axis) for axis in ORDER if axis in shape.names)
     if len({d.process_index for d in devices}) == 1:
         return mesh_utils.create_device_mesh(sizes, devices)

@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.models import families
-from tunix_train.parallel.mesh import CP, FSDP, PP, TP
+from tunix_train.parallel.mesh import CP, EP, FSDP, PP, TP
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,9 @@ RULES: dict[str, str | None] = {
     "vocab": TP,
     "embed": FSDP,
     "mlp": TP,
-    "experts": None,  # a routed layer's experts: each device holds every expert (sharded over
-    # fsdp by their `embed` dimension under ZeRO 3, like a dense MLP)
+    "experts": EP,  # a routed layer's experts: split over ep (expert parallelism), if the mesh
+    # has it; besides, sharded over fsdp by their `embed` dimension under ZeRO 3 like a dense MLP
+    "expert_scores": None,  # the router's output: a score per expert, for every expert
     "expert_mlp": TP,  # each expert's MLP width, as `mlp`
     "q_heads": TP,
     "kv_heads": TP,  # dropped automatically when tp does not divide num_kv_heads (MQA)
@@ -62,7 +63,7 @@ RULES: dict[str, str | None] = {
 
 # Logical axes whose size must be divisible by the mesh axis they map to, or the run cannot shard
 # them; the others fall back to replication (e.g. a single KV head under tp).
-_MUST_DIVIDE = ("vocab", "embed", "mlp", "expert_mlp", "q_heads")
+_MUST_DIVIDE = ("vocab", "embed", "mlp", "experts", "expert_mlp", "q_heads")
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,8 @@ def logical_dims(model: ModelConfig) -> dict[str, int]:
         "q_heads": model.num_heads, "kv_heads": model.num_kv_heads, "head_dim": model.head_dim,
     }
     if model.num_experts:
-        dims.update(experts=model.num_experts, expert_mlp=model.expert_hidden_dim)
+        dims.update(experts=model.num_experts, expert_scores=model.num_experts,
+                    expert_mlp=model.expert_hidden_dim)
     dims.update({f"act_{k}": v for k, v in dims.items()})
     return dims
 
@@ -98,7 +100,7 @@ def resolve_rules(model: ModelConfig, mesh: Mesh,
             f"known ones are {sorted(RULES)}."
         )
     rules = {**RULES, **model.sharding_rules}
-    for optional in (PP, CP):
+    for optional in (PP, CP, EP):
         if optional not in mesh.shape:
             rules = {name: None if axis == optional else axis for name, axis in rules.items()}
     if PP in mesh.shape and rules["layers"] == PP and (
@@ -129,7 +131,8 @@ def resolve_rules(model: ModelConfig, mesh: Mesh,
 
 
 _DIM_KEYS = {"vocab": "vocab_size", "embed": "embed_dim", "mlp": "hidden_dim",
-             "expert_mlp": "expert_hidden_dim", "q_heads": "num_heads"}
+             "experts": "num_experts", "expert_mlp": "expert_hidden_dim",
+             "q_heads": "num_heads"}
 
 
 def stage_rules(model: ModelConfig, mesh: Mesh, zero_stage: int,
@@ -211,9 +214,16 @@ def optimizer_shardings(
 
 
 def batch_sharding(mesh: Mesh, rules: Mapping[str, str | None], leading: int = 0) -> NamedSharding:
-    """[leading..., batch, seq] arrays: batch over the data axis, each sequence over cp."""
-    return NamedSharding(mesh, P(*([None] * leading), rules.get("act_batch"),
+    """[leading..., batch, seq] arrays: batch over the data axes, each sequence over cp."""
+    return NamedSharding(mesh, P(*([None] * leading), batch_axes(mesh, rules),
                                  rules.get("act_seq")))
+
+
+def batch_axes(mesh: Mesh, rules: Mapping[str, str | None]) -> str | tuple[str, ...] | None:
+    """What splits the batch rows: the data axis (fsdp), and ep where the mesh has it (an ep
+    device is a data-parallel rank for every weight but its experts)."""
+    rows = rules.get("act_batch")
+    return (rows, EP) if rows == FSDP and mesh.shape.get(EP, 1) > 1 else rows
 
 
 def to_device(x: jax.Array) -> jax.Array:
@@ -244,10 +254,13 @@ def spread_over_ranks(shardings: Any, abstract: Any, mesh: Mesh) -> Any:
       summed over pp as over fsdp. Per-device parameter (ZeRO-3), gradient (2) and optimizer
       (1) bytes then halve from pp=1 to pp=2 like the pipelined blocks'.
 
-    The group is (fsdp, cp, pp) in that order (collectives.py's `_fetch_stage` gathers over pp
-    first); a dimension the whole group does not divide drops pp, then cp, and stays split over
-    fsdp alone if nothing else divides it (the reduction then sums over the rest)."""
-    pp, cp = mesh.shape.get(PP, 1), mesh.shape.get(CP, 1)
+    - over ep too (expert parallelism), for every weight but the experts split over ep: an ep
+      device computes gradients of its own batch rows, like an fsdp device.
+
+    The group is (fsdp, ep, cp, pp) in that order (collectives.py's `_fetch_stage` gathers over
+    pp first); a dimension the whole group does not divide drops pp, then ep and cp, and stays
+    split over fsdp alone if nothing else divides it (the reduction then sums over the rest)."""
+    pp = mesh.shape.get(PP, 1)
 
     def spread(s: NamedSharding, leaf: Any) -> NamedSharding:
         spec = tuple(s.spec)
@@ -255,8 +268,9 @@ def spread_over_ranks(shardings: Any, abstract: Any, mesh: Mesh) -> Any:
             return s
         dim = spec.index(FSDP)
         over_pp = pp > 1 and PP not in spec
-        groups = [(FSDP, CP, PP), (FSDP, CP), (FSDP, PP)]
-        groups = [g for g in groups if (CP not in g or cp > 1) and (PP not in g or over_pp)]
+        ranks = tuple(a for a in (EP, CP) if mesh.shape.get(a, 1) > 1 and a not in spec)
+        groups = [(FSDP, *ranks, PP), (FSDP, *ranks), (FSDP, PP)]
+        groups = [g for g in groups if len(g) > 1 and (PP not in g or over_pp)]
         for group in groups:
             if leaf.shape[dim] % math.prod(mesh.shape[a] for a in group) == 0:
                 return NamedSharding(mesh, P(*spec[:dim], group, *spec[dim + 1:]),

@@ -191,7 +191,8 @@ def others(values: dict[str, float]) -> str:
 def log_startup(setup: Setup, state, writer: MetricsWriter) -> None:
     cfg, mesh, b = setup.cfg, setup.mesh, setup.batch
     devices = jax.devices()
-    fsdp = setup.options.sync.fsdp
+    ranks = setup.options.sync.data_ranks
+    data = " × ".join(f"{a} {mesh.shape[a]}" for a in ("fsdp", "ep") if a in mesh.shape)
     count = sum(x.size for x in jax.tree.leaves(state["params"]))
     total, per_device = state_lib.param_bytes(state["params"])
     m = cfg.model
@@ -202,7 +203,7 @@ def log_startup(setup: Setup, state, writer: MetricsWriter) -> None:
         f"devices: {len(devices)} × {devices[0].device_kind} ({backend.name()}) over "
         f"{jax.process_count()} process(es); this is process {jax.process_index()}",
         f"mesh: {' × '.join(f'{k}={v}' for k, v in mesh.shape.items())}",
-        f"batch: micro_batch {b.rows // fsdp} × fsdp {fsdp} × accumulation {b.accum} = "
+        f"batch: micro_batch {b.rows // ranks} × {data} × accumulation {b.accum} = "
         f"{b.sequences} sequences × {b.seq_len} tokens = {b.sequences * b.seq_len:,} tokens "
         f"per step",
         f"precision: compute {jnp.dtype(setup.options.compute_dtype).name}, "
@@ -210,9 +211,12 @@ def log_startup(setup: Setup, state, writer: MetricsWriter) -> None:
     ]
     if cfg.lora.on:
         lines.append(setup.lora_line())
-    pipeline = stages.describe(setup.options.pipeline, cfg.model, b.rows // fsdp)
+    pipeline = stages.describe(setup.options.pipeline, cfg.model, b.rows // ranks)
     if pipeline:
         lines.append(stages.line(pipeline))
+    experts = families.experts_line(m, mesh.shape.get("ep", 1))
+    if experts:
+        lines.append(experts)
     for line in lines:
         log.info(line)
     if backend.is_cpu() and mesh_lib.nvidia_gpus_present():

@@ -63,6 +63,7 @@ class Setup:
         t = cfg.training
         stages.check_layers(cfg.model, shape.pp, t.pipeline_repeats)
         _check_kernel_on_tp(cfg, shape.tp)
+        _check_expert_parallelism(cfg, shape)
         offload.check_supported(cfg, shape.pp)
         mesh = mesh_lib.create_mesh(shape, devices, processes_per_node)
         params = ParamLayout.create(cfg.model, mesh, t.zero_stage, t.remat, t.mixed_precision,
@@ -70,7 +71,8 @@ class Setup:
         updates = config_lib.optimizer_steps(cfg)
         # Parameters in host memory are updated a layer at a time: the clip is taken outside.
         optimizer = optim.adamw(cfg.optimizer, updates, clipped_outside=t.offload_params)
-        batch = batch_shape(cfg.training, cfg.data.seq_len, shape.fsdp)
+        batch = batch_shape(cfg.training, cfg.data.seq_len, shape.data,
+                            "fsdp" if shape.ep == 1 else "fsdp × ep")
         for key in ("offload_optimizer", "offload_params"):
             if getattr(t, key):
                 _check_host_memory(devices, key)
@@ -315,7 +317,7 @@ def step_options(cfg: Config, params: ParamLayout, batch: BatchShape) -> StepOpt
     chunks = VocabChunks(sharding.vocab_chunks(cfg.model.vocab_size, shards,
                                                cfg.training.loss_vocab_chunk), shards)
     pp = sync.pp
-    plan = None if pp == 1 else stages.schedule(pp, batch.rows // sync.fsdp,
+    plan = None if pp == 1 else stages.schedule(pp, batch.rows // sync.data_ranks,
                                                 cfg.training.pipeline_microbatches,
                                                 cfg.training.pipeline_repeats)
     lora, t, router = cfg.lora, cfg.training, router_loss_weights(cfg)
@@ -345,6 +347,21 @@ def _check_kernel_on_tp(cfg: Config, tp: int) -> None:
             f"those devices on fsdp, or set model.moe_matmul=tiles.")
 
 
+def _check_expert_parallelism(cfg: Config, shape: mesh_lib.MeshShape) -> None:
+    """ep splits a mixture's experts; it does not yet compose with pp or cp."""
+    if shape.ep == 1:
+        return
+    if not cfg.model.num_experts:
+        raise ConfigError(
+            f"model.mesh_shape has ep={shape.ep}, but {cfg.model.name} has no experts to split "
+            f"(model.num_experts=0); put those devices on fsdp.")
+    for axis, size in (("pp", shape.pp), ("cp", shape.cp)):
+        if size > 1:
+            raise ConfigError(
+                f"model.mesh_shape combines ep={shape.ep} with {axis}={size}, which is not "
+                f"supported yet; put the ep devices on fsdp, or drop {axis}.")
+
+
 def _check_router_losses_on_pp(cfg: Config, weights: moe.LossWeights,
                                plan: stages.Schedule | None) -> None:
     """The pipeline's last layers run this stage's share of the M micro-batches, zeros past M
@@ -358,20 +375,22 @@ def _check_router_losses_on_pp(cfg: Config, weights: moe.LossWeights,
         f"multiple of {plan.stages}, or both weights to 0.")
 
 
-def batch_shape(training: TrainingConfig, seq_len: int, fsdp_size: int) -> BatchShape:
-    """micro_batch_size × fsdp × accumulation = global batch (sequences per optimizer step)."""
+def batch_shape(training: TrainingConfig, seq_len: int, fsdp_size: int,
+                data_axes: str = "fsdp") -> BatchShape:
+    """micro_batch_size × fsdp × accumulation = global batch (sequences per optimizer step);
+    `fsdp_size`: the devices with rows of their own (`data_axes`: fsdp, or fsdp × ep)."""
     accum, micro, total = (training.gradient_accumulation_steps, training.micro_batch_size,
                            training.global_batch_size)
     if total is None:
         micro = micro or config_lib.DEFAULT_MICRO_BATCH_SIZE
     elif micro is not None and micro * fsdp_size * accum != total:
         raise ConfigError(
-            f"training.global_batch_size={total} but training.micro_batch_size={micro} × fsdp="
-            f"{fsdp_size} × gradient_accumulation_steps={accum} = {micro * fsdp_size * accum}; "
+            f"training.global_batch_size={total} but training.micro_batch_size={micro} × "
+            f"{data_axes}={fsdp_size} × gradient_accumulation_steps={accum} = {micro * fsdp_size * accum}; "
             f"set only one of the two batch keys.")
     elif total % (fsdp_size * accum):
         raise ConfigError(
-            f"training.global_batch_size={total} does not divide over fsdp={fsdp_size} × "
+            f"training.global_batch_size={total} does not divide over {data_axes}={fsdp_size} × "
             f"gradient_accumulation_steps={accum}; use a multiple of {fsdp_size * accum}.")
     else:
         micro = total // (fsdp_size * accum)
