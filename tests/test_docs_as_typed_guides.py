@@ -19,6 +19,8 @@ def test_parallelism_guide_commands_as_typed(typed, command):
     output = ok(typed.run(command, *cpu_scale(command), "training.steps=2",
                           f"hydra.run.dir=outputs/mesh{index}", env=env))
     assert "finished step 2 of 2" in output
+    if '"ep"' in command:  # a mixture's experts over ep: the start-up line says what each holds
+        assert "experts: 4 of 8 per routed layer on each device (ep=2)" in output
 
 
 def test_multi_node_pages_local_launch_as_typed(typed):

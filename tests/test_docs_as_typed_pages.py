@@ -60,8 +60,9 @@ def test_monitoring_page_run_and_script_as_typed(typed):
 
 def test_models_page_mixture_of_experts_as_typed(typed):
     """docs/models.md's Qwen 3 MoE run (shorter rows appended): the held-out loss falls at every
-    evaluation, with the router's metrics logged; then its planner command as typed, which
-    prints the per-device memory the page's table shows."""
+    evaluation, with the router's metrics logged; then its planner commands as typed (Qwen 3
+    30B-A3B on fsdp 8, 235B-A22B on fsdp 8 × ep 8), each printing the per-device memory the
+    page's table shows."""
     [train] = page_commands("docs/models.md", "model=qwen3_moe_tiny")
     output = ok(typed.run(train, "data.seq_len=64", "data.max_corpus_bytes=400000"))
     assert "aux " in output and "load " in output
@@ -70,14 +71,17 @@ def test_models_page_mixture_of_experts_as_typed(typed):
     steps = sorted(held_out)
     assert steps == [0, 20, 40, 60]
     assert all(held_out[a] > held_out[b] for a, b in zip(steps, steps[1:])), held_out
-    [plan] = page_commands("docs/models.md", "tunix_train.plan model=qwen3_30b_a3b")
-    printed = ok(typed.run(plan))
     page = (typed.root / "docs/models.md").read_text()
-    [row] = [line for line in page.splitlines()
-             if "`qwen3_30b_a3b`, fsdp 8 | `offload_optimizer=true` |" in line]
-    device, host = row.split("|")[3].replace("GB host", "").split(" GB + ")
-    assert f"= {device.strip()} GB on the device, {host.strip()} GB in host memory" in printed
-    assert "verdict: fits" in printed
+    rows = {"qwen3_30b_a3b": "`qwen3_30b_a3b`, fsdp 8 | `offload_optimizer=true` |",
+            "qwen3_235b_a22b": "`qwen3_235b_a22b`, fsdp 8 × ep 8 | `remat=full`, "
+                               "`moe_ep_buffer_factor=2` |"}
+    for model, row_starts in rows.items():
+        [plan] = page_commands("docs/models.md", f"tunix_train.plan model={model}")
+        printed = ok(typed.run(plan))
+        [row] = [line for line in page.splitlines() if row_starts in line]
+        device, host = row.split("|")[3].replace("GB host", "").split(" GB + ")
+        assert f"= {device.strip()} GB on the device, {host.strip()} GB in host memory" in printed
+        assert "verdict: fits" in printed
 
 
 def test_memory_page_parameters_in_host_memory_plan_as_typed(typed):
