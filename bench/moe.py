@@ -36,29 +36,28 @@ MESHES = {"1 device": ('model.mesh_shape=[[1,1],["fsdp","tp"]]',) * 2 + (1, 1),
           "fsdp 4 x tp 2": ('model.mesh_shape=[[4,2],["fsdp","tp"]]',) * 2 + (8, 4),
           "fsdp 2 x ep 4": ('model.mesh_shape=[[2,4,1],["fsdp","ep","tp"]]',
                             'model.mesh_shape=[[8,1],["fsdp","tp"]]', 8, 8)}
+# The MoE runs timed against the dense one: the default, ragged_dot, and on an ep mesh the
+# exchange's blocks bounded at twice a shard's mean share (dropless blocks: the worst case).
+VARIANTS = {"tiles": [], "ragged_dot": ["model.moe_matmul=ragged_dot"]}
+EP_VARIANTS = {"tiles_blocks_2x": ["model.moe_ep_buffer_factor=2"]}
 
 
 def main(overrides: list[str]) -> dict:
     rows = []
     for name, (mesh, dense_mesh, devices, ranks) in MESHES.items():
         micro = [f"training.micro_batch_size={8 // ranks}"]
-        runs = {
-            "dense": train_stepper([*DENSE, *SHARED, *overrides, dense_mesh, *micro],
-                                   devices)[1],
-            "tiles": train_stepper([*MOE, *SHARED, *overrides, mesh, *micro], devices)[1],
-            "ragged_dot": train_stepper([*MOE, *SHARED, *overrides, mesh, *micro,
-                                         "model.moe_matmul=ragged_dot"], devices)[1],
-        }
+        variants = {**VARIANTS, **(EP_VARIANTS if '"ep"' in mesh else {})}
+        runs = {"dense": train_stepper([*DENSE, *SHARED, *overrides, dense_mesh, *micro],
+                                       devices)[1]}
+        for variant, extra in variants.items():
+            runs[variant] = train_stepper([*MOE, *SHARED, *overrides, mesh, *micro, *extra],
+                                          devices)[1]
         median = alternating_medians(runs, WARMUP, ROUNDS, STEPS_PER_ROUND)
-        row = {"mesh": name, "dense_ms": round(median["dense"] * 1e3, 1),
-               "moe_tiles_ms": round(median["tiles"] * 1e3, 1),
-               "moe_ragged_dot_ms": round(median["ragged_dot"] * 1e3, 1),
-               "ratio_tiles": round(median["tiles"] / median["dense"], 3),
-               "ratio_ragged_dot": round(median["ragged_dot"] / median["dense"], 3)}
+        row = {"mesh": name, **{f"{run}_ms": round(median[run] * 1e3, 1) for run in runs},
+               **{f"ratio_{v}": round(median[v] / median["dense"], 3) for v in variants}}
         rows.append(row)
-        print(f"{name}: dense {row['dense_ms']} ms, MoE {row['moe_tiles_ms']} ms "
-              f"(ratio {row['ratio_tiles']}), MoE with ragged_dot {row['moe_ragged_dot_ms']} "
-              f"ms (ratio {row['ratio_ragged_dot']})")
+        print(f"{name}: dense {row['dense_ms']} ms, " + ", ".join(
+            f"MoE {v} {row[f'{v}_ms']} ms (ratio {row[f'ratio_{v}']})" for v in variants))
     result = {"rows": rows, "experts": EXPERTS, "top_k": TOP_K, "expert_width": EXPERT_WIDTH,
               "device_kind": jax.devices()[0].device_kind}
     print(json.dumps(result))

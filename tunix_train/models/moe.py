@@ -12,7 +12,8 @@ Dropless by sorting: the T·k (token, expert) assignments are grouped by expert,
 expert's rows are contiguous; a grouped matmul multiplies each group of rows by its own
 expert's weight (`tiled` by default, `jax.lax.ragged_dot` on request), and each token gathers
 its k rows back, weighted. No token is dropped (unless a capacity says so); the work is about
-the k experts' per token, not E's.
+the k experts' per token, not E's. Where this device holds only a shard of the experts (an
+`ep` mesh axis), the rows travel to their experts' devices and back (`exchanged`).
 """
 
 from __future__ import annotations

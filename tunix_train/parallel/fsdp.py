@@ -31,6 +31,13 @@ trailing layers) is split over fsdp and pp together where ZeRO splits it (shardi
 spread_over_ranks): it is gathered and reduce-scattered over both axes, and where its gradient is
 not split, summed over pp after fsdp.
 
+On a mesh with expert parallelism (`ep`) the shard_map is manual over ep too: an ep device has
+batch rows of its own, so ep is a data axis like fsdp for every weight (ZeRO splits them over
+fsdp × ep, their gradients are reduced over both), except a mixture's experts, which are split
+over ep itself: a device receives only its experts' slice, and their gradients are summed over
+fsdp alone (`reduction_group`). The routed layers' rows cross ep by all-to-all
+(collectives.py's `exchange`).
+
 LoRA's frozen base (parallel/layout.py) comes in as a second tree: fetched like any parameter
 (gathered over fsdp at ZeRO-3, in the dtype it is stored in), merged with the adapters for the
 model, never differentiated, so no reduction of it exists at all.

@@ -30,13 +30,13 @@ from tunix_train.analysis import costs
 from tunix_train.config import Config, ConfigError, TrainingConfig
 from tunix_train.data import pipeline
 from tunix_train.data.pipeline import BatchShape
-from tunix_train.models import attention, families, moe, quantization
+from tunix_train.models import attention, families, quantization
 from tunix_train.models.head import VocabChunks
 from tunix_train.parallel import fsdp, sharding
 from tunix_train.parallel import stages
 from tunix_train.parallel import mesh as mesh_lib
 from tunix_train.parallel.layout import ParamLayout
-from tunix_train.training import offload, optim, reference
+from tunix_train.training import experts, offload, optim, reference
 from tunix_train.training.state import FROZEN, HOST, StateLayout, TrainState
 from tunix_train.training.train_step import (LossFn, StepOptions, jit_eval_step, jit_train_step,
                                              loss_sums)
@@ -62,8 +62,7 @@ class Setup:
         shape = mesh_lib.parse(cfg.model.mesh_shape, len(devices))
         t = cfg.training
         stages.check_layers(cfg.model, shape.pp, t.pipeline_repeats)
-        _check_kernel_on_tp(cfg, shape.tp)
-        _check_expert_parallelism(cfg, shape)
+        experts.check_mesh(cfg, shape)
         offload.check_supported(cfg, shape.pp)
         mesh = mesh_lib.create_mesh(shape, devices, processes_per_node)
         params = ParamLayout.create(cfg.model, mesh, t.zero_stage, t.remat, t.mixed_precision,
@@ -320,59 +319,12 @@ def step_options(cfg: Config, params: ParamLayout, batch: BatchShape) -> StepOpt
     plan = None if pp == 1 else stages.schedule(pp, batch.rows // sync.data_ranks,
                                                 cfg.training.pipeline_microbatches,
                                                 cfg.training.pipeline_repeats)
-    lora, t, router = cfg.lora, cfg.training, router_loss_weights(cfg)
-    _check_router_losses_on_pp(cfg, router, plan)
+    lora, t, router = cfg.lora, cfg.training, experts.router_loss_weights(cfg)
+    experts.check_router_losses_on_pp(cfg, router, plan)
     return StepOptions(compute_dtype=dtype, sync=sync, mesh=params.mesh,
                        rules=params.rules.params, vocab_chunks=chunks, pipeline=plan,
                        dropout_seed=t.seed if lora.on and lora.dropout else None,
                        router=router)
-
-
-def router_loss_weights(cfg: Config) -> moe.LossWeights:
-    """How much of a mixture of experts' router losses the training loss adds (none for a dense
-    model): training.moe_aux_loss_weight, by default the model's router_aux_loss_coef."""
-    t = cfg.training
-    if not families.layout(cfg.model).routed:
-        return moe.LossWeights()
-    aux = cfg.model.router_aux_loss_coef if t.moe_aux_loss_weight is None else \
-        t.moe_aux_loss_weight
-    return moe.LossWeights(aux, t.router_z_loss_weight)
-
-
-def _check_kernel_on_tp(cfg: Config, tp: int) -> None:
-    if cfg.model.num_experts and cfg.model.moe_matmul == "tokamax" and tp > 1:
-        raise ConfigError(
-            f"model.moe_matmul=tokamax with tp={tp} in model.mesh_shape: XLA cannot split "
-            f"tokamax's kernels over tp and would gather the experts whole on every device; put "
-            f"those devices on fsdp, or set model.moe_matmul=tiles.")
-
-
-def _check_expert_parallelism(cfg: Config, shape: mesh_lib.MeshShape) -> None:
-    """ep splits a mixture's experts; it does not yet compose with pp or cp."""
-    if shape.ep == 1:
-        return
-    if not cfg.model.num_experts:
-        raise ConfigError(
-            f"model.mesh_shape has ep={shape.ep}, but {cfg.model.name} has no experts to split "
-            f"(model.num_experts=0); put those devices on fsdp.")
-    for axis, size in (("pp", shape.pp), ("cp", shape.cp)):
-        if size > 1:
-            raise ConfigError(
-                f"model.mesh_shape combines ep={shape.ep} with {axis}={size}, which is not "
-                f"supported yet; put the ep devices on fsdp, or drop {axis}.")
-
-
-def _check_router_losses_on_pp(cfg: Config, weights: moe.LossWeights,
-                               plan: stages.Schedule | None) -> None:
-    """The pipeline's last layers run this stage's share of the M micro-batches, zeros past M
-    included: their router statistics would count those (parallel/pipeline.py)."""
-    if plan is None or not (weights.aux or weights.z) or plan.microbatches % plan.stages == 0:
-        return
-    raise ConfigError(
-        f"training.pipeline_microbatches={plan.microbatches} on pp={plan.stages} with the "
-        f"router's losses on (training.moe_aux_loss_weight={weights.aux}, "
-        f"training.router_z_loss_weight={weights.z}): set training.pipeline_microbatches to a "
-        f"multiple of {plan.stages}, or both weights to 0.")
 
 
 def batch_shape(training: TrainingConfig, seq_len: int, fsdp_size: int,
