@@ -113,12 +113,14 @@ together train family-gemma3 model=gemma3_1b model.num_layers=2 "${seq2k[@]}"
 together train family-llama3 model=llama3_2_1b model.num_layers=2 "${seq2k[@]}"
 together train family-qwen3 model=qwen3_0_6b model.num_layers=2 "${seq2k[@]}"
 # The mixtures of experts at their published widths with fewer experts (so that 4 checks share
-# the GPU): dropless tiles (the default), jax.lax.ragged_dot, tokamax's kernels, a capacity factor.
+# the GPU): dropless tiles (the default), jax.lax.ragged_dot, tokamax's kernels, our own Pallas
+# grouped matmul, a capacity factor.
 moe=(model=qwen3_30b_a3b model.num_layers=2 model.num_experts=16 "${seq2k[@]}")
 together train family-qwen3_moe "${moe[@]}"
 together train moe-ragged_dot "${moe[@]}" model.moe_matmul=ragged_dot
 together train moe-capacity "${moe[@]}" model.moe_capacity_factor=1.25
 together train moe-tokamax "${moe[@]}" model.moe_matmul=tokamax  # its Pallas kernels
+together train moe-pallas "${moe[@]}" model.moe_matmul=pallas  # models/grouped_matmul.py
 together train family-mixtral model=mixtral_8x7b model.num_layers=1 model.num_experts=4 \
   "${seq2k[@]}"
 # Recomputation policies.

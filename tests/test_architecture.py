@@ -102,7 +102,7 @@ def test_models_name_logical_axes_only_and_inference_needs_no_trainer():
 def test_mesh_axis_names_are_spelled_in_the_mesh_module_alone():
     spelled = {name for name, path in MODULES.items()
                for node in ast.walk(ast.parse(path.read_text()))
-               if isinstance(node, ast.Constant) and node.value in ("fsdp", "tp")}
+               if isinstance(node, ast.Constant) and node.value in ("fsdp", "tp", "ep")}
     assert spelled == {"tunix_train.parallel.mesh"}
 
 

@@ -297,7 +297,9 @@ def test_router_losses_on_a_pipeline_whose_stages_do_not_divide_its_microbatches
 
 def test_tokamax_trains_with_the_tiles_losses_and_is_refused_where_it_cannot_run(monkeypatch):
     """model.moe_matmul=tokamax on fsdp 4 (on a CPU tokamax runs XLA's ragged_dot; its Pallas
-    kernels run in bench/gpu_check.sh): the losses of tiles (1e-5). Refused by name on a tp mesh
+    kernels run in bench/gpu_check.sh): the losses of tiles (1e-5); so does
+    model.moe_matmul=pallas (models/grouped_matmul.py's kernels in Pallas's interpreter).
+    Refused by name on a tp mesh
     (XLA cannot split a kernel) and where the package is missing."""
     from tunix_train import validation
 
@@ -306,7 +308,9 @@ def test_tokamax_trains_with_the_tiles_losses_and_is_refused_where_it_cannot_run
                                           f"model.moe_matmul={matmul}"))
         return train_losses(cfg, 3, jax.devices()[:4])[0]
 
-    np.testing.assert_allclose(losses("tokamax"), losses("tiles"), rtol=1e-5)
+    tiles = losses("tiles")
+    np.testing.assert_allclose(losses("tokamax"), tiles, rtol=1e-5)
+    np.testing.assert_allclose(losses("pallas"), tiles, rtol=1e-5)  # our kernels, interpreted
     cfg = cli.compose(["model=qwen3_moe_tiny", "model.moe_matmul=tokamax", mesh_arg(4, 2)])
     with pytest.raises(ConfigError, match=r"model.moe_matmul=tokamax with tp=2 in "
                                           r"model.mesh_shape: XLA cannot split"):
@@ -338,3 +342,40 @@ def test_a_step_logs_the_fraction_its_capacity_dropped():
         data.close()
         dropped[factor] = float(metrics["moe_dropped_fraction"])
     assert dropped["null"] == 0 and 0.5 <= dropped["0.5"] < 1, dropped
+
+
+def test_the_grouped_matmul_kernel_equals_ragged_dot_in_values_and_gradients():
+    """models/grouped_matmul.py's Pallas kernels (in Pallas's interpreter on this CPU) against
+    `jax.lax.ragged_dot` on the same rows: 5 experts of 16-row tiles, one expert with no rows,
+    one with a partial tile, unused tiles at the end (their rows zero); the output, and the
+    gradients of the rows and of every expert's weight."""
+    from tunix_train.models import grouped_matmul
+
+    tile, D, F, E = 16, 32, 64, 5
+    sizes_E = np.array([20, 0, 16, 35, 3])
+    tiles_E = -(-sizes_E // tile)
+    n_tiles = int(tiles_E.sum()) + 2  # two unused
+    first_tile_E = np.cumsum(tiles_E) - tiles_E
+    rng = np.random.default_rng(5)
+    x_PxD = np.zeros((n_tiles * tile, D), np.float32)
+    rows = np.concatenate([first_tile_E[e] * tile + np.arange(sizes_E[e]) for e in range(E)])
+    x_PxD[rows] = rng.normal(size=(len(rows), D))
+    w = jnp.asarray(rng.normal(size=(E, D, F)).astype(np.float32))
+    expert_N = np.minimum(np.searchsorted(np.cumsum(tiles_E), np.arange(n_tiles), "right"),
+                          E - 1)
+    probe = jnp.asarray(rng.normal(size=(len(rows), F)).astype(np.float32))
+    args = [jnp.asarray(a, jnp.int32) for a in (expert_N, first_tile_E, tiles_E)]
+
+    def kernel(x, w):
+        return grouped_matmul.grouped_matmul(x, w, *args, tile)[rows]
+
+    def reference(x, w):  # the used rows, packed, through ragged_dot
+        return jax.lax.ragged_dot(x[rows], w, jnp.asarray(sizes_E, jnp.int32))
+
+    loss = lambda f: lambda x, w: jnp.sum(f(x, w) * probe)  # noqa: E731
+    x = jnp.asarray(x_PxD)
+    np.testing.assert_allclose(kernel(x, w), reference(x, w), rtol=1e-5, atol=1e-5)
+    ours, theirs = (jax.grad(loss(f), argnums=(0, 1))(x, w) for f in (kernel, reference))
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(ours[1][1]).max()) == 0 and float(jnp.abs(ours[1][3]).min()) > 0

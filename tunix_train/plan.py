@@ -137,7 +137,7 @@ def _record(setup, costs, compile_s: float) -> dict[str, Any]:
                         if cfg.lora.on else 0),
         "active_params": families.active_params(cfg.model),  # per token (mixture of experts)
         "lora": setup.lora_line() if cfg.lora.on else None,
-        "experts": families.experts_line(cfg.model, setup.mesh.shape.get("ep", 1)),
+        "experts": families.experts_line(cfg.model, setup.mesh.shape.get(mesh_lib.EP, 1)),
         "zero_stage": cfg.training.zero_stage,
         "compute_dtype": jnp.dtype(setup.options.compute_dtype).name,
         "sequences_per_step": setup.batch.sequences,
@@ -177,7 +177,7 @@ def suggestions(cfg: Config, micro_batch: int) -> list[str]:
         found.append("set training.offload_optimizer=true")
     sizes, names = cfg.model.mesh_shape
     if not t.offload_params and cfg.trainer.name == "default" and \
-            dict(zip(names, sizes)).get("pp", 1) == 1:
+            dict(zip(names, sizes)).get(mesh_lib.PP, 1) == 1:
         found.append("set training.offload_params=true")
     return found
 

@@ -30,6 +30,7 @@ from tunix_train.analysis import comm_report, hlo
 from tunix_train.analysis.comm_report import CommReport
 from tunix_train.models import quantization
 from tunix_train.parallel import fsdp, stages
+from tunix_train.parallel.mesh import EP
 
 UNITS = {"MB": 1e6, "GB": 1e9}
 
@@ -81,7 +82,7 @@ class StepCosts:
         over = " × ".join(sync.data_group)  # fsdp, or fsdp × cp: the devices with other tokens
         if sync.ep > 1:  # an expert's gradient has no copy on the other ep devices
             over += " (the experts' over " + " × ".join(a for a in sync.data_group
-                                                          if a != "ep") + ")"
+                                                          if a != EP) + ")"
         kind = "reduce-scatter" if sync.scatters else "all-reduce"
         dtype = jnp.dtype(sync.reduce_dtype).name
         measured = self.comm.gradient_reductions_per_step

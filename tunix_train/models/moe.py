@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from tunix_train.models import params as model_params
+from tunix_train.models import grouped_matmul, params as model_params
 from tunix_train.models.layers import PROJECTION
 
 
@@ -247,14 +247,16 @@ def tile_rows(rows: int, experts: int) -> int:
     return min(256, max(8, 1 << int(math.log2(half_mean))))
 
 
-def tiled(expert_of_A: jax.Array, k: int, experts: int) -> Rows:
+def tiled(expert_of_A: jax.Array, k: int, experts: int, kernel: bool = False) -> Rows:
     """Each expert's rows padded to whole tiles of `tile_rows` rows, every tile multiplied by
-    its own expert's weight in one batched matmul. The shapes are static: A rows fill at most
-    (A + E·(tile - 1)) / tile tiles. Work and memory follow the rows, about 1.5x those of the k
-    experts a token goes to, where `jax.lax.ragged_dot` on XLA's CPU (and GPU) compiler
-    multiplies every row by every expert (E times the work)."""
+    its own expert's weight in one batched matmul (with `kernel`, by models/grouped_matmul.py's
+    Pallas kernels, which read each expert's weight in place; tiles of at least 16 rows, a
+    GPU dot's least). The shapes are static: A rows fill at most (A + E·(tile - 1)) / tile
+    tiles. Work and memory follow the rows, about 1.5x those of the k experts a token goes to,
+    where `jax.lax.ragged_dot` on XLA's CPU (and GPU) compiler multiplies every row by every
+    expert (E times the work)."""
     A = expert_of_A.shape[0]
-    tile = tile_rows(A, experts)
+    tile = max(tile_rows(A, experts), 16 if kernel else 1)
     n_tiles = -(-(A + experts * (tile - 1)) // tile)
     sizes_E, _, rank_A = _sorted(expert_of_A, experts)
     tiles_E = (sizes_E + tile - 1) // tile
@@ -265,6 +267,9 @@ def tiled(expert_of_A: jax.Array, k: int, experts: int) -> Rows:
                                             side="right"), experts - 1)
 
     def matmul(lhs_PxD: jax.Array, rhs_ExDxF: jax.Array) -> jax.Array:
+        if kernel:
+            return grouped_matmul.grouped_matmul(lhs_PxD, rhs_ExDxF, expert_N, first_tile_E,
+                                                 tiles_E, tile)
         y_NxtxF = jnp.einsum("ntd,ndf->ntf", lhs_PxD.reshape(n_tiles, tile, -1),
                              rhs_ExDxF[expert_N])
         return y_NxtxF.reshape(n_tiles * tile, -1)
@@ -318,7 +323,8 @@ def tokamax_ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes_E: jax.Array) -> ja
 
 # model.moe_matmul → (expert of each assignment, k, experts) → Rows.
 MATMULS = {"tiles": tiled, "ragged_dot": ragged,
-           "tokamax": functools.partial(ragged, dot=tokamax_ragged_dot)}
+           "tokamax": functools.partial(ragged, dot=tokamax_ragged_dot),
+           "pallas": functools.partial(tiled, kernel=True)}
 
 
 # A routed layer's sums (fp32), added over layers: `assigned_E` top-k assignments per expert,

@@ -38,6 +38,7 @@ CP = "cp"
 EP = "ep"
 AXES = (FSDP, TP)  # always present; PP, CP and EP are optional
 ORDER = (PP, FSDP, EP, CP, TP)  # outermost to innermost in the device grid
+DATA_AXES = (FSDP, EP)  # the axes whose devices take batch rows of their own
 DEFAULT_SHAPE = [[-1, 1], [FSDP, TP]]  # model.mesh_shape=None: every device on fsdp
 
 log = logging.getLogger(__name__)

@@ -25,11 +25,12 @@ def router_loss_weights(cfg: Config) -> moe.LossWeights:
 
 
 def _check_kernel_on_tp(cfg: Config, tp: int) -> None:
-    if cfg.model.num_experts and cfg.model.moe_matmul == "tokamax" and tp > 1:
+    kernels = cfg.model.moe_matmul
+    if cfg.model.num_experts and kernels in ("tokamax", "pallas") and tp > 1:
         raise ConfigError(
-            f"model.moe_matmul=tokamax with tp={tp} in model.mesh_shape: XLA cannot split "
-            f"tokamax's kernels over tp and would gather the experts whole on every device; put "
-            f"those devices on fsdp, or set model.moe_matmul=tiles.")
+            f"model.moe_matmul={kernels} with tp={tp} in model.mesh_shape: XLA cannot split "
+            f"{kernels}'s kernels over tp and would gather the experts whole on every device; put "
+            f"those devices on fsdp or ep, or set model.moe_matmul=tiles.")
 
 
 def _check_expert_parallelism(cfg: Config, shape: mesh_lib.MeshShape) -> None:
@@ -40,7 +41,7 @@ def _check_expert_parallelism(cfg: Config, shape: mesh_lib.MeshShape) -> None:
         raise ConfigError(
             f"model.mesh_shape has ep={shape.ep}, but {cfg.model.name} has no experts to split "
             f"(model.num_experts=0); put those devices on fsdp.")
-    for axis, size in (("pp", shape.pp), ("cp", shape.cp)):
+    for axis, size in ((mesh_lib.PP, shape.pp), (mesh_lib.CP, shape.cp)):
         if size > 1:
             raise ConfigError(
                 f"model.mesh_shape combines ep={shape.ep} with {axis}={size}, which is not "

@@ -192,7 +192,8 @@ def log_startup(setup: Setup, state, writer: MetricsWriter) -> None:
     cfg, mesh, b = setup.cfg, setup.mesh, setup.batch
     devices = jax.devices()
     ranks = setup.options.sync.data_ranks
-    data = " × ".join(f"{a} {mesh.shape[a]}" for a in ("fsdp", "ep") if a in mesh.shape)
+    data = " × ".join(f"{a} {mesh.shape[a]}" for a in (mesh_lib.FSDP, mesh_lib.EP)
+                      if a in mesh.shape)
     count = sum(x.size for x in jax.tree.leaves(state["params"]))
     total, per_device = state_lib.param_bytes(state["params"])
     m = cfg.model
@@ -214,7 +215,7 @@ def log_startup(setup: Setup, state, writer: MetricsWriter) -> None:
     pipeline = stages.describe(setup.options.pipeline, cfg.model, b.rows // ranks)
     if pipeline:
         lines.append(stages.line(pipeline))
-    experts = families.experts_line(m, mesh.shape.get("ep", 1))
+    experts = families.experts_line(m, mesh.shape.get(mesh_lib.EP, 1))
     if experts:
         lines.append(experts)
     for line in lines:

@@ -71,7 +71,7 @@ class Setup:
         # Parameters in host memory are updated a layer at a time: the clip is taken outside.
         optimizer = optim.adamw(cfg.optimizer, updates, clipped_outside=t.offload_params)
         batch = batch_shape(cfg.training, cfg.data.seq_len, shape.data,
-                            "fsdp" if shape.ep == 1 else "fsdp × ep")
+                            " × ".join(mesh_lib.DATA_AXES[:1 if shape.ep == 1 else 2]))
         for key in ("offload_optimizer", "offload_params"):
             if getattr(t, key):
                 _check_host_memory(devices, key)
@@ -328,7 +328,7 @@ def step_options(cfg: Config, params: ParamLayout, batch: BatchShape) -> StepOpt
 
 
 def batch_shape(training: TrainingConfig, seq_len: int, fsdp_size: int,
-                data_axes: str = "fsdp") -> BatchShape:
+                data_axes: str = mesh_lib.FSDP) -> BatchShape:
     """micro_batch_size × fsdp × accumulation = global batch (sequences per optimizer step);
     `fsdp_size`: the devices with rows of their own (`data_axes`: fsdp, or fsdp × ep)."""
     accum, micro, total = (training.gradient_accumulation_steps, training.micro_batch_size,
