@@ -3,8 +3,8 @@ routed layer's rows sent to their experts' devices and back by all-to-all (model
 `exchanged`), every other weight data-parallel over fsdp × ep. Against one device: the same
 losses (fp32, 1e-5) with the router's losses on, which are each device's micro-batch's, so the
 reference groups its rows alike (one row per micro-batch); the experts really split over ep,
-the all-to-alls in the communication report, a checkpoint restored across a change of ep, and
-what ep does not compose with refused by name."""
+the all-to-alls in the communication report, ep beside cp and pp, a checkpoint restored across
+a change of ep, the exchange itself against NumPy, and what ep cannot split refused by name."""
 
 import jax
 import jax.numpy as jnp
@@ -78,18 +78,24 @@ def test_expert_parallel_meshes_give_one_devices_losses_with_the_experts_split(c
     assert {"forward", "backward"} <= exchanges
 
 
-def test_ep_composes_with_cp():
-    """ep 2 × cp 2 × tp 2: each device routes its chunk of its rows' tokens, and the losses are
-    one device's (1e-5; the router's losses off, as they group tokens by device)."""
-    def losses(mesh: str, devices: int) -> np.ndarray:
-        cfg = compose_config(*family_tiny("qwen3_moe", mesh, "model.num_layers=3",
+def test_ep_composes_with_cp_and_pp():
+    """ep 2 × cp 2 × tp 2 (each device routes its chunk of its rows' tokens) and pp 2 × fsdp 2
+    × ep 2 (each stage's routed layers exchange over its own ep group, inside the pipeline's
+    loop): one device's losses (1e-5; the router's losses off, as they group tokens by
+    device)."""
+    def losses(mesh: str, devices: int, *extra: str) -> np.ndarray:
+        cfg = compose_config(*family_tiny("qwen3_moe", mesh, "model.num_layers=4",
                                           "training.moe_aux_loss_weight=0",
                                           "training.router_z_loss_weight=0",
-                                          "training.global_batch_size=8", "data.seq_len=64"))
+                                          "training.global_batch_size=8", "data.seq_len=64",
+                                          *extra))
         return train_losses(cfg, STEPS, jax.devices()[:devices])[0]
 
+    reference = losses(mesh_arg(1, 1), 1)
     np.testing.assert_allclose(losses(mesh_of([[1, 2, 2, 2], ["fsdp", "ep", "cp", "tp"]]), 8),
-                               losses(mesh_arg(1, 1), 1), rtol=1e-5)
+                               reference, rtol=1e-5)
+    np.testing.assert_allclose(losses(mesh_of([[2, 2, 2, 1], ["pp", "fsdp", "ep", "tp"]]), 8,
+                                      "training.pipeline_microbatches=2"), reference, rtol=1e-5)
 
 
 def test_a_checkpoint_restores_across_a_change_of_ep(tmp_path):
@@ -103,9 +109,6 @@ def test_a_checkpoint_restores_across_a_change_of_ep(tmp_path):
     (["model=llama3_tiny", ep_mesh(4, 2, 1)],
      r"model.mesh_shape has ep=2, but llama3_tiny has no experts to split "
      r"\(model.num_experts=0\); put those devices on fsdp"),
-    (["model=qwen3_moe_tiny", mesh_of([[2, 2, 2, 1], ["pp", "fsdp", "ep", "tp"]])],
-     r"model.mesh_shape combines ep=2 with pp=2, which is not supported yet; put the ep "
-     r"devices on fsdp, or drop pp"),
     (["model=qwen3_moe_tiny", ep_mesh(1, 8, 1), "model.num_experts=12"],
      r"model.num_experts=12 is not divisible by ep=8 from model.mesh_shape"),
 ])

@@ -59,7 +59,7 @@ from flax import nnx
 
 from tunix_train.models import moe, params as model_params
 from tunix_train.models.head import VocabChunks
-from tunix_train.parallel.collectives import cpu_safe_reduction
+from tunix_train.parallel.collectives import FsdpHook, cpu_safe_reduction
 from tunix_train.parallel.mesh import PP
 from tunix_train.parallel.stages import Schedule, Stages
 
@@ -221,6 +221,9 @@ class _ChunkRows:
 
     def __init__(self, stacks: dict):
         self.stacks = stacks
+
+    def exchange(self, rows: jax.Array) -> jax.Array:
+        return FsdpHook().exchange(rows)
 
     def materialize(self, state: Any) -> Any:
         return jax.tree.map(

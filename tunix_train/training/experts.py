@@ -34,18 +34,13 @@ def _check_kernel_on_tp(cfg: Config, tp: int) -> None:
 
 
 def _check_expert_parallelism(cfg: Config, shape: mesh_lib.MeshShape) -> None:
-    """ep splits a mixture's experts; it does not yet compose with pp (a pipeline stage's layers
-    run outside the exchange's hook)."""
+    """ep splits a mixture's experts: a dense model has none."""
     if shape.ep == 1:
         return
     if not cfg.model.num_experts:
         raise ConfigError(
             f"model.mesh_shape has ep={shape.ep}, but {cfg.model.name} has no experts to split "
             f"(model.num_experts=0); put those devices on fsdp.")
-    if shape.pp > 1:
-        raise ConfigError(
-            f"model.mesh_shape combines ep={shape.ep} with pp={shape.pp}, which is not "
-            f"supported yet; put the ep devices on fsdp, or drop pp.")
 
 
 def check_router_losses_on_pp(cfg: Config, weights: moe.LossWeights,
