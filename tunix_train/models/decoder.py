@@ -92,18 +92,9 @@ class Experts(nnx.Module):
         gate = self.gate[...]  # this device's experts: a shard of them under expert parallelism
         y_TxD = moe.experts_mlp(x_TxD, routing, gate, self.up[...], self.down[...], self.gated,
                                 self.matmul, self.capacity_factor, self.buffer_factor)
-        return y_TxD.reshape(B, L, D), moe.statistics(routing, self.capacity_factor,
-                                                      self._blocks(B * L, gate.shape[0]))
-
-    def _blocks(self, tokens: int, held: int) -> moe.Blocks | None:
-        """How rows travel where this device holds `held` of the experts (None: all)."""
-        E = self.num_experts
-        if held == E:
-            return None
-        per_expert = None if self.capacity_factor is None else moe.capacity(
-            tokens * self.top_k, E, self.capacity_factor)
-        return moe.plan_blocks(tokens, self.top_k, held, E // held, per_expert,
-                               self.buffer_factor)
+        blocks = moe.blocks_for(B * L, self.top_k, self.num_experts, gate.shape[0],
+                                self.capacity_factor, self.buffer_factor)
+        return y_TxD.reshape(B, L, D), moe.statistics(routing, self.capacity_factor, blocks)
 
 
 class DecoderLayer(nnx.Module):

@@ -13,11 +13,14 @@ No atomics: each dw block is one program's. On a backend without Triton (CPU) th
 through Pallas's interpreter: exact, slow, and what the tests check them with (tests/test_moe.py
 against `jax.lax.ragged_dot` and the dense computation, values and gradients). Not yet run on a
 GPU (bench/gpu_check.sh runs it there).
+
+Also here: tokamax's grouped matmul (`tokamax_ragged_dot`), the maintained library's kernels.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -112,3 +115,17 @@ def _dot(a, b, trans_a: bool = False):
     """a @ b of two tiles (a transposed if asked), summed in fp32."""
     contract = ((0 if trans_a else 1,), (0,))
     return lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
+
+
+def tokamax_ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes_E: jax.Array) -> jax.Array:
+    """tokamax's `ragged_dot` (an optional dependency, the `cuda` extras'): its Pallas kernels,
+    forward and backward, where they run (Triton and Mosaic GPU on NVIDIA GPUs), else XLA's
+    `ragged_dot`, which it falls back to on a CPU. tokamax reads its settings as absl flags,
+    parsing the command line the first time (ours is Hydra's, which absl refuses): they are
+    parsed from no arguments first, so take their defaults."""
+    import tokamax
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS(sys.argv[:1])
+    return tokamax.ragged_dot(lhs, rhs, sizes_E)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -74,11 +73,9 @@ def experts_mlp(x_TxD: jax.Array, routing: Routing, gate_ExDxF: jax.Array, up_Ex
                             down_ExFxD=down_ExFxD, gated=gated)
     per_expert = None if capacity_factor is None else capacity(T * k, num_experts,
                                                                capacity_factor)
-    if held < num_experts:
-        y_TxKxD = exchanged(x_TxD, expert_of_A, k,
-                            plan_blocks(T, k, held, num_experts // held, per_expert,
-                                        buffer_factor),
-                            MATMULS[matmul], mlp, per_expert)
+    blocks = blocks_for(T, k, num_experts, held, capacity_factor, buffer_factor)
+    if blocks is not None:
+        y_TxKxD = exchanged(x_TxD, expert_of_A, k, blocks, MATMULS[matmul], mlp, per_expert)
     else:
         if per_expert is None:
             rows = MATMULS[matmul](expert_of_A, k, num_experts)
@@ -109,8 +106,21 @@ class Blocks:
     rows: int
 
 
+def blocks_for(tokens: int, k: int, experts: int, held: int,
+               capacity_factor: float | None = None,
+               buffer_factor: float | None = None) -> Blocks | None:
+    """How `tokens` tokens' rows travel where this device holds `held` of the `experts` (None:
+    it holds all, nothing travels): `experts_mlp` sends them so, `statistics` counts what that
+    drops."""
+    if held == experts:
+        return None
+    per_expert = None if capacity_factor is None else capacity(tokens * k, experts,
+                                                               capacity_factor)
+    return plan_blocks(tokens, k, held, experts // held, per_expert, buffer_factor)
+
+
 def plan_blocks(tokens: int, k: int, held: int, shards: int, per_expert: int | None = None,
-           buffer_factor: float | None = None) -> Blocks:
+                buffer_factor: float | None = None) -> Blocks:
     """The rows of a block: the worst case, T · min(k, held) (a token's k experts are distinct),
     so that no row is ever dropped; with a capacity, at most `held` capacities; with a
     `buffer_factor` (model.moe_ep_buffer_factor), at most that factor × a shard's mean share
@@ -307,23 +317,9 @@ def ragged(expert_of_A: jax.Array, k: int, experts: int,
     return Rows(_rows_from(row_A, k, expert_of_A.shape[0]), row_A, matmul)
 
 
-def tokamax_ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes_E: jax.Array) -> jax.Array:
-    """tokamax's `ragged_dot` (an optional dependency, the `cuda` extras'): its Pallas kernels,
-    forward and backward, where they run (Triton and Mosaic GPU on NVIDIA GPUs), else XLA's
-    `ragged_dot`, which it falls back to on a CPU. tokamax reads its settings as absl flags,
-    parsing the command line the first time (ours is Hydra's, which absl refuses): they are
-    parsed from no arguments first, so take their defaults."""
-    import tokamax
-    from absl import flags
-
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS(sys.argv[:1])
-    return tokamax.ragged_dot(lhs, rhs, sizes_E)
-
-
 # model.moe_matmul → (expert of each assignment, k, experts) → Rows.
 MATMULS = {"tiles": tiled, "ragged_dot": ragged,
-           "tokamax": functools.partial(ragged, dot=tokamax_ragged_dot),
+           "tokamax": functools.partial(ragged, dot=grouped_matmul.tokamax_ragged_dot),
            "pallas": functools.partial(tiled, kernel=True)}
 
 

@@ -62,7 +62,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tunix_train.models import params as model_params
 from tunix_train.parallel.collectives import SYNC_SCOPE, Fetch, FsdpHook, How, blockwise, reduce_one
 from tunix_train.parallel.layout import merged
-from tunix_train.parallel.mesh import CP, EP, FSDP, PP
+from tunix_train.parallel.mesh import CP, DATA_AXES, EP, FSDP, PP
 from tunix_train.parallel.sharding import to_device
 
 
@@ -123,7 +123,7 @@ class GradientSync:
     def batch_spec(self) -> P:
         """A [micro-batches, rows, seq] batch as the shard_map splits it: rows over the data
         axes (fsdp, ep), each row's sequence over cp."""
-        rows = (FSDP, EP) if self.ep > 1 else FSDP
+        rows = DATA_AXES if self.ep > 1 else FSDP
         return P(None, rows, CP) if self.cp > 1 else P(None, rows)
 
     def reduction_group(self, spec: P) -> tuple[str, ...]:

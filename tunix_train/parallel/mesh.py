@@ -73,7 +73,7 @@ class MeshShape:
         return self.size(EP) if EP in self.names else 1
 
     @property
-    def data(self) -> int:
+    def data_ranks(self) -> int:
         """Devices that compute on different batch rows: fsdp × ep."""
         return self.fsdp * self.ep
 

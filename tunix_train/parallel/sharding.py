@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.models import families
-from tunix_train.parallel.mesh import CP, EP, FSDP, PP, TP
+from tunix_train.parallel.mesh import CP, DATA_AXES, EP, FSDP, PP, TP
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ def batch_axes(mesh: Mesh, rules: Mapping[str, str | None]) -> str | tuple[str, 
     """What splits the batch rows: the data axis (fsdp), and ep where the mesh has it (an ep
     device is a data-parallel rank for every weight but its experts)."""
     rows = rules.get("act_batch")
-    return (rows, EP) if rows == FSDP and mesh.shape.get(EP, 1) > 1 else rows
+    return DATA_AXES if rows == FSDP and mesh.shape.get(EP, 1) > 1 else rows
 
 
 def to_device(x: jax.Array) -> jax.Array:

@@ -192,8 +192,7 @@ def log_startup(setup: Setup, state, writer: MetricsWriter) -> None:
     cfg, mesh, b = setup.cfg, setup.mesh, setup.batch
     devices = jax.devices()
     ranks = setup.options.sync.data_ranks
-    data = " × ".join(f"{a} {mesh.shape[a]}" for a in (mesh_lib.FSDP, mesh_lib.EP)
-                      if a in mesh.shape)
+    data = " × ".join(f"{a} {mesh.shape[a]}" for a in mesh_lib.DATA_AXES if a in mesh.shape)
     count = sum(x.size for x in jax.tree.leaves(state["params"]))
     total, per_device = state_lib.param_bytes(state["params"])
     m = cfg.model

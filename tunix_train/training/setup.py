@@ -70,7 +70,7 @@ class Setup:
         updates = config_lib.optimizer_steps(cfg)
         # Parameters in host memory are updated a layer at a time: the clip is taken outside.
         optimizer = optim.adamw(cfg.optimizer, updates, clipped_outside=t.offload_params)
-        batch = batch_shape(cfg.training, cfg.data.seq_len, shape.data,
+        batch = batch_shape(cfg.training, cfg.data.seq_len, shape.data_ranks,
                             " × ".join(mesh_lib.DATA_AXES[:1 if shape.ep == 1 else 2]))
         for key in ("offload_optimizer", "offload_params"):
             if getattr(t, key):
