@@ -9,6 +9,7 @@ also runs the shared matrices: test_hf.py (import, export, generation), test_tra
 import contextlib
 import io
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -351,7 +352,7 @@ def test_the_grouped_matmul_kernel_equals_ragged_dot_in_values_and_gradients():
     gradients of the rows and of every expert's weight."""
     from tunix_train.models import grouped_matmul
 
-    tile, D, F, E = 16, 32, 64, 5
+    tile, D, F, E = 16, 48, 64, 5
     sizes_E = np.array([20, 0, 16, 35, 3])
     tiles_E = -(-sizes_E // tile)
     n_tiles = int(tiles_E.sum()) + 2  # two unused
@@ -379,3 +380,58 @@ def test_the_grouped_matmul_kernel_equals_ragged_dot_in_values_and_gradients():
     for a, b in zip(ours, theirs):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     assert float(jnp.abs(ours[1][1]).max()) == 0 and float(jnp.abs(ours[1][3]).min()) > 0
+
+
+def test_auto_takes_our_kernels_on_a_gpu_without_tp_and_tiles_elsewhere(monkeypatch):
+    """model.moe_matmul=auto (the default): tiles on this CPU, as the layout the step is built
+    from records and the start-up experts line says; on a GPU (faked), our Pallas kernels on
+    fsdp 4, tiles on tp 2 (XLA would gather the kernels' experts whole) and where a width is no
+    multiple of 16 (Triton's least dot); a named matmul is kept."""
+    from dataclasses import replace
+
+    from tunix_train import backend
+    from tunix_train.models import families
+    from tunix_train.parallel import mesh as mesh_lib
+    from tunix_train.parallel.layout import ParamLayout
+
+    cfg = compose_config(*family_tiny("qwen3_moe", mesh_arg(4, 1)))
+    assert cfg.model.moe_matmul == "auto"
+    mesh = mesh_lib.create_mesh(mesh_lib.parse(cfg.model.mesh_shape, 4), jax.devices()[:4])
+    layout = ParamLayout.create(cfg.model, mesh, 3)
+    assert families.experts_line(layout.model, 1).endswith("; grouped matmul tiles")
+    monkeypatch.setattr(backend, "is_gpu", lambda: True)
+    assert ParamLayout.create(cfg.model, mesh, 3).model.moe_matmul == "pallas"
+    assert moe.chosen_matmul(cfg.model, tp=2) == "tiles"
+    assert moe.chosen_matmul(replace(cfg.model, expert_hidden_dim=40), tp=1) == "tiles"
+    assert moe.chosen_matmul(replace(cfg.model, moe_matmul="ragged_dot"), tp=1) == "ragged_dot"
+
+
+def test_for_a_gpu_the_kernels_lower_to_triton_reading_each_weight_as_it_lies():
+    """Qwen3-30B-A3B's experts (d 2,048, width 768: not a power of two, so the contraction is
+    walked in chunks) through an up and a down projection, lowered for CUDA (no GPU needed):
+    each matmul forward, its rows' gradient and its weight's gradient are one Triton kernel
+    each, and every kernel reads the weights [E, D, F] and [E, F, D] as stored (no transposed
+    copy for the rows' gradient)."""
+    from test_flash import triton_calls
+    from tunix_train import backend
+
+    T, k, experts, d, width = 512, 8, 16, 2048, 768
+
+    def loss(x, up, down, expert_of_A):
+        rows = moe.tiled(expert_of_A, k, experts, kernel=True)
+        h = rows.matmul(rows.from_tokens(x), up)
+        return rows.matmul(h, down).astype(jnp.float32).sum()
+
+    shapes = (jax.ShapeDtypeStruct((T, d), jnp.bfloat16),
+              jax.ShapeDtypeStruct((experts, d, width), jnp.bfloat16),
+              jax.ShapeDtypeStruct((experts, width, d), jnp.bfloat16),
+              jax.ShapeDtypeStruct((T * k,), jnp.int32))
+    with pytest.MonkeyPatch.context() as patch:  # the kernels for a GPU, not interpreted
+        patch.setattr(backend, "is_gpu", lambda: True)
+        calls = triton_calls(jax.grad(loss, argnums=(0, 1, 2)), *shapes)
+    names = [name for name, _ in calls]
+    assert sorted(names) == ["grouped_matmul"] * 4 + ["grouped_matmul_weight_gradient"] * 2
+    weights = {f"{experts}x{d}x{width}xbf16", f"{experts}x{width}x{d}xbf16"}
+    read = [re.findall(r"tensor<(\d+x\d+x\d+xbf16)>", operands) for name, operands in calls
+            if name == "grouped_matmul"]
+    assert all(len(w) == 1 and w[0] in weights for w in read) and {w[0] for w in read} == weights

@@ -137,7 +137,7 @@ def _record(setup, costs, compile_s: float) -> dict[str, Any]:
                         if cfg.lora.on else 0),
         "active_params": families.active_params(cfg.model),  # per token (mixture of experts)
         "lora": setup.lora_line() if cfg.lora.on else None,
-        "experts": families.experts_line(cfg.model, setup.mesh.shape.get(mesh_lib.EP, 1)),
+        "experts": families.experts_line(setup.params.model, setup.mesh.shape.get(mesh_lib.EP, 1)),
         "zero_stage": cfg.training.zero_stage,
         "compute_dtype": jnp.dtype(setup.options.compute_dtype).name,
         "sequences_per_step": setup.batch.sequences,

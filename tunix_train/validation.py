@@ -49,7 +49,7 @@ _CHOICES = {
     ("model", "cp_exchange"): ("all_gather", "ring"),
     ("model", "family"): ("gemma3", "llama3", "qwen3", "qwen3_moe", "mixtral"),
     ("model", "rope_type"): ("linear", "llama3"),
-    ("model", "moe_matmul"): ("tiles", "ragged_dot", "tokamax", "pallas"),
+    ("model", "moe_matmul"): ("auto", "tiles", "ragged_dot", "tokamax", "pallas"),
     ("logging", "progress"): ("auto", "always", "never"),
     ("data", "packing"): ("concat", "first_fit"),
     ("data", "dtype"): ("uint16", "uint32"),

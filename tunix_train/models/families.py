@@ -68,9 +68,10 @@ def expert_params(model: ModelConfig) -> int:
 
 
 def experts_line(model: ModelConfig, ep: int) -> str | None:
-    """What each device holds of a mixture's experts (None for a dense model)."""
+    """What each device holds of a mixture's experts, and the grouped matmul that multiplies them
+    (`model`'s moe_matmul, `auto` decided: ParamLayout's); None for a dense model."""
     if not model.num_experts:
         return None
     return (f"experts: {model.num_experts // ep} of {model.num_experts} per routed layer on "
             f"each device (ep={ep}): {expert_params(model) // ep:,} of "
-            f"{expert_params(model):,} expert parameters")
+            f"{expert_params(model):,} expert parameters; grouped matmul {model.moe_matmul}")

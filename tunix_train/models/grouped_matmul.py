@@ -11,8 +11,10 @@ by every expert (marin#7012).
 
 No atomics: each dw block is one program's. On a backend without Triton (CPU) the kernels run
 through Pallas's interpreter: exact, slow, and what the tests check them with (tests/test_moe.py
-against `jax.lax.ragged_dot` and the dense computation, values and gradients). Not yet run on a
-GPU (bench/gpu_check.sh runs it there).
+against `jax.lax.ragged_dot` and the dense computation, values and gradients; and that they
+lower to Triton). On an H100 (2026-11-27, docs/performance.md) a train step gave the same losses
+and gradient norms as `tiles` and `ragged_dot`; with their gradients, Qwen3-30B-A3B's experts on
+16,384 tokens ran at 0.24x the speed of a dense matmul of the same FLOPs, `tiles` at 0.09x.
 
 Also here: tokamax's grouped matmul (`tokamax_ragged_dot`), the maintained library's kernels.
 """
@@ -26,15 +28,26 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from tunix_train import backend
 
-COLUMNS = 128  # output columns per program (a power of two dividing the width, at most this)
+# Triton blocks (powers of two): output columns per program, at most COLUMNS (fewer for tall
+# tiles, so a program's fp32 accumulator stays within ACCUMULATOR elements), and the contraction
+# walked in chunks of at most CHUNK, so that a weight's rows or an expert's tiles are read a
+# block at a time whatever the width (Triton loads only power-of-two shapes).
+COLUMNS, CHUNK, ACCUMULATOR = 128, 64, 16384
+STAGES = 3  # Triton's software pipelining of the contraction's loop
+# Rows per tile at most (models/moe.py `tiled`): on an H100, Qwen3-30B-A3B's experts (16,384
+# tokens) ran forward at 0.38x a dense matmul's speed in tiles of 64 rows, 0.36x of 128 and
+# 0.18x of 256 (docs/performance.md).
+TILE_ROWS = 64
 
 
-def columns(width: int) -> int:
-    """The largest power of two that divides `width`, at most COLUMNS."""
-    return min(COLUMNS, width & -width)
+def columns(width: int, rows: int = 1, most: int = COLUMNS) -> int:
+    """The largest power of two that divides `width`, at most `most` and at most
+    ACCUMULATOR / rows."""
+    return max(1, min(most, ACCUMULATOR // rows, width & -width))
 
 
 def grouped_matmul(x_PxD: jax.Array, w_ExDxF: jax.Array, expert_N: jax.Array,
@@ -61,7 +74,7 @@ def _grouped_fwd(x, w, expert_N, first_tile_E, tiles_E, tile, interpret):
 
 def _grouped_bwd(tile, interpret, residuals, dy):
     x, w, expert_N, first_tile_E, tiles_E = residuals
-    dx = _tiles_times_weights(dy, jnp.swapaxes(w, 1, 2), expert_N, tile, interpret)
+    dx = _tiles_times_weights(dy, w, expert_N, tile, interpret, transposed=True)
     dw = _weight_gradient(x, dy, first_tile_E, tiles_E, w.shape[0], tile, interpret)
     return dx, dw.astype(w.dtype), None, None, None
 
@@ -69,51 +82,71 @@ def _grouped_bwd(tile, interpret, residuals, dy):
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
-def _tiles_times_weights(x_PxD, w_ExDxF, expert_N, tile: int, interpret: bool):
-    (P, D), (E, _, F) = x_PxD.shape, w_ExDxF.shape
-    f = columns(F)
+def _tiles_times_weights(x_PxK, w_ExDxF, expert_N, tile: int, interpret: bool,
+                         transposed: bool = False):
+    """[P, N]: tile n of x times w[e(n)] ([K, N] = [D, F]), or times w[e(n)]ᵀ (`transposed`:
+    [K, N] = [F, D], the weight read as it lies)."""
+    (P, K), (E, D, F) = x_PxK.shape, w_ExDxF.shape
+    N = D if transposed else F
+    n, k = columns(N, tile), columns(K, most=CHUNK)
 
     def kernel(expert_ref, x_ref, w_ref, y_ref):
-        y_ref[...] = _dot(x_ref[...], w_ref[expert_ref[0]]).astype(y_ref.dtype)
+        def step(i, acc):
+            chunk = pl.ds(i * k, k)
+            if transposed:  # w's block [E, n, K]: rows of wᵀ's columns
+                return acc + _dot(x_ref[:, chunk], w_ref[expert_ref[0], :, chunk], trans_b=True)
+            return acc + _dot(x_ref[:, chunk], w_ref[expert_ref[0], chunk, :])
 
-    return pl.pallas_call(
-        kernel, grid=(P // tile, F // f), interpret=interpret, name="grouped_matmul",
-        in_specs=[pl.BlockSpec((1,), lambda n, j: (n,)),
-                  pl.BlockSpec((tile, D), lambda n, j: (n, 0)),
-                  pl.BlockSpec((E, D, f), lambda n, j: (0, 0, j))],
-        out_specs=pl.BlockSpec((tile, f), lambda n, j: (n, j)),
-        out_shape=jax.ShapeDtypeStruct((P, F), x_PxD.dtype),
-    )(expert_N, x_PxD, w_ExDxF)
+        acc = lax.fori_loop(0, K // k, step, jnp.zeros((tile, n), jnp.float32))
+        y_ref[...] = acc.astype(y_ref.dtype)
+
+    weight = (pl.BlockSpec((E, n, F), lambda t, j: (0, j, 0)) if transposed
+              else pl.BlockSpec((E, D, n), lambda t, j: (0, 0, j)))
+    return _call(kernel, "grouped_matmul", (P // tile, N // n), tile * n, interpret,
+                 in_specs=[pl.BlockSpec((1,), lambda t, j: (t,)),
+                           pl.BlockSpec((tile, K), lambda t, j: (t, 0)), weight],
+                 out_specs=pl.BlockSpec((tile, n), lambda t, j: (t, j)),
+                 out_shape=jax.ShapeDtypeStruct((P, N), x_PxK.dtype),
+                 )(expert_N, x_PxK, w_ExDxF)
 
 
 def _weight_gradient(x_PxD, dy_PxF, first_tile_E, tiles_E, experts: int, tile: int,
                      interpret: bool):
-    """[E, D, F] fp32: each expert's Σ over its tiles of x_tileᵀ @ dy_tile."""
+    """[E, D, F] fp32: each expert's Σ over its tiles of x_tileᵀ @ dy_tile, walked in chunks of
+    rows."""
     (P, D), F = x_PxD.shape, dy_PxF.shape[1]
-    d, f = columns(D), columns(F)
+    d, f, r = columns(D), columns(F), min(tile, CHUNK)
 
     def kernel(first_ref, count_ref, x_ref, dy_ref, dw_ref):
         def step(t, acc):
-            rows = pl.ds((first_ref[0] + t) * tile, tile)
+            rows = pl.ds(first_ref[0] * tile + t * r, r)
             return acc + _dot(x_ref[rows, :], dy_ref[rows, :], trans_a=True)
 
-        dw_ref[0] = lax.fori_loop(0, count_ref[0], step, jnp.zeros((d, f), jnp.float32))
+        chunks = count_ref[0] * (tile // r)
+        dw_ref[0] = lax.fori_loop(0, chunks, step, jnp.zeros((d, f), jnp.float32))
 
-    return pl.pallas_call(
-        kernel, grid=(experts, D // d, F // f), interpret=interpret,
-        name="grouped_matmul_weight_gradient",
-        in_specs=[pl.BlockSpec((1,), lambda e, i, j: (e,)),
-                  pl.BlockSpec((1,), lambda e, i, j: (e,)),
-                  pl.BlockSpec((P, d), lambda e, i, j: (0, i)),
-                  pl.BlockSpec((P, f), lambda e, i, j: (0, j))],
-        out_specs=pl.BlockSpec((1, d, f), lambda e, i, j: (e, i, j)),
-        out_shape=jax.ShapeDtypeStruct((experts, D, F), jnp.float32),
-    )(first_tile_E, tiles_E, x_PxD, dy_PxF)
+    return _call(kernel, "grouped_matmul_weight_gradient", (experts, D // d, F // f), d * f,
+                 interpret,
+                 in_specs=[pl.BlockSpec((1,), lambda e, i, j: (e,)),
+                           pl.BlockSpec((1,), lambda e, i, j: (e,)),
+                           pl.BlockSpec((P, d), lambda e, i, j: (0, i)),
+                           pl.BlockSpec((P, f), lambda e, i, j: (0, j))],
+                 out_specs=pl.BlockSpec((1, d, f), lambda e, i, j: (e, i, j)),
+                 out_shape=jax.ShapeDtypeStruct((experts, D, F), jnp.float32),
+                 )(first_tile_E, tiles_E, x_PxD, dy_PxF)
 
 
-def _dot(a, b, trans_a: bool = False):
-    """a @ b of two tiles (a transposed if asked), summed in fp32."""
-    contract = ((0 if trans_a else 1,), (0,))
+def _call(kernel, name: str, grid, accumulator: int, interpret: bool, **specs):
+    """pallas_call for Triton: 8 warps for the largest accumulators, else 4; the contraction's
+    loop pipelined over STAGES stages."""
+    params = plgpu.CompilerParams(num_warps=8 if accumulator >= 16384 else 4, num_stages=STAGES)
+    return pl.pallas_call(kernel, grid=grid, interpret=interpret, name=name,
+                          compiler_params=params, **specs)
+
+
+def _dot(a, b, trans_a: bool = False, trans_b: bool = False):
+    """a @ b of two tiles (either transposed), summed in fp32."""
+    contract = ((0 if trans_a else 1,), (1 if trans_b else 0,))
     return lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
 
 

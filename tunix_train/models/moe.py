@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from tunix_train import backend
 from tunix_train.models import grouped_matmul, params as model_params
 from tunix_train.models.layers import PROJECTION
 
@@ -260,13 +261,15 @@ def tile_rows(rows: int, experts: int) -> int:
 def tiled(expert_of_A: jax.Array, k: int, experts: int, kernel: bool = False) -> Rows:
     """Each expert's rows padded to whole tiles of `tile_rows` rows, every tile multiplied by
     its own expert's weight in one batched matmul (with `kernel`, by models/grouped_matmul.py's
-    Pallas kernels, which read each expert's weight in place; tiles of at least 16 rows, a
-    GPU dot's least). The shapes are static: A rows fill at most (A + E·(tile - 1)) / tile
+    Pallas kernels, which read each expert's weight in place; tiles of 16 to its TILE_ROWS
+    rows). The shapes are static: A rows fill at most (A + E·(tile - 1)) / tile
     tiles. Work and memory follow the rows, about 1.5x those of the k experts a token goes to,
     where `jax.lax.ragged_dot` on XLA's CPU (and GPU) compiler multiplies every row by every
     expert (E times the work)."""
     A = expert_of_A.shape[0]
-    tile = max(tile_rows(A, experts), 16 if kernel else 1)
+    tile = tile_rows(A, experts)
+    if kernel:
+        tile = min(max(tile, 16), grouped_matmul.TILE_ROWS)
     n_tiles = -(-(A + experts * (tile - 1)) // tile)
     sizes_E, _, rank_A = _sorted(expert_of_A, experts)
     tiles_E = (sizes_E + tile - 1) // tile
@@ -315,6 +318,17 @@ def ragged(expert_of_A: jax.Array, k: int, experts: int,
     row_A = _none_for_padding(start_E[expert_of_A] + rank_A, expert_of_A)
     matmul = lambda lhs, rhs: dot(lhs, rhs, sizes_E)  # noqa: E731
     return Rows(_rows_from(row_A, k, expert_of_A.shape[0]), row_A, matmul)
+
+
+def chosen_matmul(model, tp: int) -> str:
+    """model.moe_matmul, `auto` decided: our Pallas kernels on a GPU, where they are measured
+    faster than `tiles` (docs/performance.md), if XLA can keep them whole (tp = 1) and Triton's
+    dots fit the widths (multiples of 16); `tiles` elsewhere."""
+    if model.moe_matmul != "auto":
+        return model.moe_matmul
+    widths = (model.embed_dim, model.expert_hidden_dim)
+    fits = tp == 1 and all(width % 16 == 0 for width in widths)
+    return "pallas" if backend.is_gpu() and fits else "tiles"
 
 
 # model.moe_matmul → (expert of each assignment, k, experts) → Rows.

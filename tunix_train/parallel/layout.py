@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import jax
@@ -30,10 +30,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tunix_train import backend
 from tunix_train import checkpoint
 from tunix_train.config import LoraConfig, ModelConfig
-from tunix_train.models import families, hf_weights, lora as lora_lib, quantization
+from tunix_train.models import families, hf_weights, lora as lora_lib, moe, quantization
 from tunix_train.models.family import LAYERS, TRAILING
 from tunix_train.models.layers import logical_axes
 from tunix_train.parallel import sharding
+from tunix_train.parallel.mesh import TP
 
 log = logging.getLogger("tunix_train")
 
@@ -107,6 +108,7 @@ class ParamLayout:
                mixed_precision: str = "auto", pipeline_repeats: int = 1,
                lora: LoraConfig = LoraConfig()) -> ParamLayout:
         families.of(model).check(model)
+        model = replace(model, moe_matmul=moe.chosen_matmul(model, mesh.shape.get(TP, 1)))
         rules = sharding.stage_rules(model, mesh, zero_stage, pipeline_repeats)
         graphdef, variables = nnx.split(nnx.eval_shape(
             lambda: families.build(model, nnx.Rngs(0), remat, lora)))

@@ -214,7 +214,7 @@ def log_startup(setup: Setup, state, writer: MetricsWriter) -> None:
     pipeline = stages.describe(setup.options.pipeline, cfg.model, b.rows // ranks)
     if pipeline:
         lines.append(stages.line(pipeline))
-    experts = families.experts_line(m, mesh.shape.get(mesh_lib.EP, 1))
+    experts = families.experts_line(setup.params.model, mesh.shape.get(mesh_lib.EP, 1))
     if experts:
         lines.append(experts)
     for line in lines:

@@ -1,0 +1,117 @@
+"""The experts' grouped matmul alone, each `model.moe_matmul` layout against one dense matmul of
+the same useful FLOPs, in one run:
+
+    python bench/grouped_matmul.py                       # Qwen3-30B-A3B's experts, 16,384 tokens
+    python bench/grouped_matmul.py --tokens 512 --experts 8 --dim 256 --hidden 128   # a CPU
+
+The rows are a layer's: T tokens routed uniformly at random to k of E experts, laid out by
+models/moe.py as the model lays them (tiles for `tiles` and `pallas`, sorted rows for
+`tokamax` and `ragged_dot`), then [rows, D] × [E, D, F]. The baseline is x [T·k, D] @ w [D, F]:
+the same multiply-adds with no routing. Each is timed forward, and forward with the gradients of
+x and w (what a train step runs), in alternating rounds; TFLOP/s count the useful FLOPs (2·T·k·D·F
+forward, three times that with gradients), so padding rows count as waste. `ragged_dot` (XLA's)
+multiplies every row by every expert on GPUs (marin#7012), E times the work: timed only with
+--ragged. The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from timing import alternating_medians  # noqa: E402
+from tunix_train.models import moe  # noqa: E402
+
+WARMUP, ROUNDS, STEPS = 2, 5, 5
+
+
+def main(argv: list[str]) -> dict:
+    args = _parse(argv)
+    T, k, E, D, F = args.tokens, args.k, args.experts, args.dim, args.hidden
+    rng = np.random.default_rng(0)
+    experts_A = jnp.asarray(np.argsort(rng.random((T, E)), axis=1)[:, :k].reshape(-1), jnp.int32)
+    dtype = jnp.dtype(args.dtype)
+    x_TxD = jnp.asarray(rng.normal(size=(T, D)), dtype)
+    w_ExDxF = jnp.asarray(rng.normal(size=(E, D, F)) / np.sqrt(D), dtype)
+    w_DxF = w_ExDxF[0]
+    layouts = ["tiles", "pallas"] + (["tokamax"] if _has("tokamax") else []) \
+        + (["ragged_dot"] if args.ragged else [])
+    runs = {"dense": _dense(jnp.repeat(x_TxD, k, axis=0), w_DxF)}
+    for name in layouts:
+        try:  # a layout that fails to build or compile is reported and left out
+            runs[name] = _routed(name, x_TxD, w_ExDxF, experts_A, k, E)
+            for run in runs[name].values():
+                jax.block_until_ready(run())
+        except Exception as error:  # noqa: BLE001
+            print(f"FAIL {name}: {type(error).__name__}: {str(error).splitlines()[0][:300]}")
+            runs.pop(name, None)
+    flops = 2 * T * k * D * F
+    results = {}
+    for mode in ("forward", "with_gradients"):
+        median = alternating_medians({n: r[mode] for n, r in runs.items()}, WARMUP, ROUNDS, STEPS)
+        useful = flops * (1 if mode == "forward" else 3)
+        results[mode] = {n: {"ms": round(s * 1e3, 3), "tflops": round(useful / s / 1e12, 1),
+                             "vs_dense": round(median["dense"] / s, 3)}
+                         for n, s in median.items()}
+        for n, r in results[mode].items():
+            print(f"{mode:>14} {n:>10}: {r['ms']:9.3f} ms  {r['tflops']:7.1f} TFLOP/s  "
+                  f"{r['vs_dense']:.2f}x dense")
+    out = {"device_kind": jax.devices()[0].device_kind, "tokens": T, "k": k, "experts": E,
+           "dim": D, "hidden": F, "dtype": args.dtype, **results}
+    print(json.dumps(out))
+    return out
+
+
+def _dense(x_AxD, w_DxF) -> dict:
+    forward = jax.jit(lambda x, w: x @ w)
+    grads = jax.jit(jax.grad(lambda x, w: jnp.sum((x @ w).astype(jnp.float32)), argnums=(0, 1)))
+    return {"forward": lambda: forward(x_AxD, w_DxF), "with_gradients": lambda: grads(x_AxD, w_DxF)}
+
+
+def _routed(name: str, x_TxD, w_ExDxF, experts_A, k: int, E: int) -> dict:
+    """The layout's rows of x (built once, outside the timing: the model's sort is its own
+    cost) times the experts' weights."""
+    rows = moe.MATMULS[name](experts_A, k, E)
+    x_PxD = jax.jit(rows.from_tokens)(x_TxD)
+
+    def product(x, w):
+        return rows.matmul(x, w)
+
+    forward = jax.jit(product)
+    grads = jax.jit(jax.grad(lambda x, w: jnp.sum(product(x, w).astype(jnp.float32)),
+                             argnums=(0, 1)))
+    return {"forward": lambda: forward(x_PxD, w_ExDxF),
+            "with_gradients": lambda: grads(x_PxD, w_ExDxF)}
+
+
+def _has(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        print(f"{module} is not installed: not timed")
+        return False
+    return True
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--dim", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--ragged", action="store_true", help="also XLA's ragged_dot")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
