@@ -68,4 +68,7 @@ done
 # and length; tiles of 128 exceed an H200's shared memory (328 KB asked, 232 KB there; 2026-11-26).
 "$PYTHON" bench/attention.py --dtype bfloat16 --lengths 2048 8192 32768 --pallas-block 32 64 \
   | tee -a bench_results/gpu_attention.txt || status=1
+# The experts' grouped matmul per layout against a dense matmul of the same FLOPs (Qwen3-30B-A3B's
+# experts; tokamax's Triton kernels by name too, its Mosaic GPU ones failing on jax 0.11.2).
+"$PYTHON" bench/grouped_matmul.py | tee -a bench_results/gpu_grouped_matmul.txt || status=1
 exit $status

@@ -6,7 +6,8 @@ the same useful FLOPs, in one run:
 
 The rows are a layer's: T tokens routed uniformly at random to k of E experts, laid out by
 models/moe.py as the model lays them (tiles for `tiles` and `pallas`, sorted rows for
-`tokamax` and `ragged_dot`), then [rows, D] × [E, D, F]. The baseline is x [T·k, D] @ w [D, F]:
+`tokamax`, `tokamax_triton` (its Triton kernels by name) and `ragged_dot`), then
+[rows, D] × [E, D, F]. The baseline is x [T·k, D] @ w [D, F]:
 the same multiply-adds with no routing. Each is timed forward, and forward with the gradients of
 x and w (what a train step runs), in alternating rounds; TFLOP/s count the useful FLOPs (2·T·k·D·F
 forward, three times that with gradients), so padding rows count as waste. `ragged_dot` (XLA's)
@@ -17,6 +18,7 @@ multiplies every row by every expert on GPUs (marin#7012), E times the work: tim
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -42,7 +44,7 @@ def main(argv: list[str]) -> dict:
     x_TxD = jnp.asarray(rng.normal(size=(T, D)), dtype)
     w_ExDxF = jnp.asarray(rng.normal(size=(E, D, F)) / np.sqrt(D), dtype)
     w_DxF = w_ExDxF[0]
-    layouts = ["tiles", "pallas"] + (["tokamax"] if _has("tokamax") else []) \
+    layouts = ["tiles", "pallas"] + (["tokamax", "tokamax_triton"] if _has("tokamax") else []) \
         + (["ragged_dot"] if args.ragged else [])
     runs = {"dense": _dense(jnp.repeat(x_TxD, k, axis=0), w_DxF)}
     for name in layouts:
@@ -79,7 +81,8 @@ def _dense(x_AxD, w_DxF) -> dict:
 def _routed(name: str, x_TxD, w_ExDxF, experts_A, k: int, E: int) -> dict:
     """The layout's rows of x (built once, outside the timing: the model's sort is its own
     cost) times the experts' weights."""
-    rows = moe.MATMULS[name](experts_A, k, E)
+    layout = moe.MATMULS.get(name) or functools.partial(moe.ragged, dot=_tokamax_triton)
+    rows = layout(experts_A, k, E)
     x_PxD = jax.jit(rows.from_tokens)(x_TxD)
 
     def product(x, w):
@@ -90,6 +93,14 @@ def _routed(name: str, x_TxD, w_ExDxF, experts_A, k: int, E: int) -> dict:
                              argnums=(0, 1)))
     return {"forward": lambda: forward(x_PxD, w_ExDxF),
             "with_gradients": lambda: grads(x_PxD, w_ExDxF)}
+
+
+def _tokamax_triton(lhs, rhs, sizes_E):
+    """tokamax's Triton kernels by name (on Hopper it picks its Mosaic GPU ones, which fail on
+    jax 0.11.2: docs/performance.md)."""
+    import tokamax
+
+    return tokamax.ragged_dot(lhs, rhs, sizes_E, implementation="triton")
 
 
 def _has(module: str) -> bool:

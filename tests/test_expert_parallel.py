@@ -146,7 +146,7 @@ def test_the_exchange_keeps_every_row_or_the_first_of_each_block_as_numpy_says(f
         return y, moe.statistics(routing, blocks=blocks)["dropped"], routing.experts_TxK, \
             routing.weights_TxK
 
-    run = jax.vmap(device, axis_name="ep")
+    run = jax.jit(jax.vmap(device, axis_name="ep"))  # one program, not an op at a time
     y, dropped, experts, weights = run(x, *(shard(w) for w in (gate, up, down)))
     C = moe.plan_blocks(T, K, E // S, S, buffer_factor=factor).rows
     expected, dropped_np = np.zeros((S, T, D)), 0
@@ -166,8 +166,8 @@ def test_the_exchange_keeps_every_row_or_the_first_of_each_block_as_numpy_says(f
     assert int(np.sum(dropped)) == dropped_np and (dropped_np > 0) == (factor is not None)
     if factor is None:  # gradients through the all-to-all and its transpose
         probe = rng.normal(size=(S, T, D)).astype(np.float32)
-        ours = jax.grad(lambda g: jnp.sum(run(x, g, *(shard(w) for w in (up, down)))[0]
-                                          * probe))(shard(gate))
+        ours = jax.jit(jax.grad(lambda g: jnp.sum(run(x, g, *(shard(w) for w in (up, down)))[0]
+                                                  * probe)))(shard(gate))
 
         def dense(g):
             routing = moe.route(jnp.asarray(x.reshape(S * T, D)), jnp.asarray(router), K, True)
@@ -178,5 +178,5 @@ def test_the_exchange_keeps_every_row_or_the_first_of_each_block_as_numpy_says(f
             return jnp.sum(jnp.einsum("etf,efd,te->td", h, down, w_TxE) * probe.reshape(S * T, D))
 
         np.testing.assert_allclose(np.asarray(ours).reshape(gate.shape),
-                                   np.asarray(jax.grad(dense)(jnp.asarray(gate))),
+                                   np.asarray(jax.jit(jax.grad(dense))(jnp.asarray(gate))),
                                    rtol=1e-4, atol=1e-5)
