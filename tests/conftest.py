@@ -39,21 +39,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # Safe under concurrent writers: without a size limit JAX's cache (jax._src.lru_cache.LRUCache)
 # writes an entry in place with no lock, so a process reading a key another is still writing
 # gets a truncated file (JAX then warns on stderr and compiles again). With a limit, every read
-# and write holds the cache's file lock (filelock). tests/test_internals.py checks that JAX
-# still works this way. Past the limit the least recently used entries are evicted, once as the
-# suite starts: the suite's processes skip JAX's scan of the whole cache at every write
-# (tests/site/suite_cache.py, on every process's path through tests/site/sitecustomize.py).
+# and write holds the cache's file lock (filelock), and the least recently used entries are
+# evicted past it. tests/test_internals.py checks that JAX still works this way.
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 * 10**9))
 sys.path.insert(0, str(REPO / "tests"))
-SITE = str(REPO / "tests" / "site")
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SITE, os.environ.get("PYTHONPATH")) if p)
-sys.path.insert(0, SITE)
-import suite_cache  # noqa: E402
-
-suite_cache.patch()
-if "PYTEST_XDIST_WORKER" not in os.environ:  # the suite's first process, before its workers
-    suite_cache.trim(os.environ["JAX_COMPILATION_CACHE_DIR"],
-                     int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
 
 
 @pytest.fixture(scope="session")
@@ -77,7 +66,10 @@ LONGEST_FIRST = ["test_grpo.py", "test_launch.py", "test_schedulers.py", "test_l
 TIMING_DIR = os.environ.get("TUNIX_TEST_TIMING")
 if TIMING_DIR:  # opt-in: where each test's time goes (tests/timing/compile_log.py)
     os.makedirs(TIMING_DIR, exist_ok=True)
-    sys.path.insert(0, str(REPO / "tests" / "timing"))
+    _timing = str(REPO / "tests" / "timing")
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (_timing, os.environ.get("PYTHONPATH")) if p)
+    sys.path.insert(0, _timing)
     from compile_log import CompileLog  # noqa: E402
 
     COMPILE_LOG = CompileLog(TIMING_DIR, subprocess=False)

@@ -133,29 +133,3 @@ def test_the_suites_compilation_cache_holds_a_file_lock_for_every_read_and_write
     finally:
         cache.lock = real
     assert held == ["acquire", "release"] * 2
-
-
-def test_the_suites_processes_write_without_scanning_the_cache_and_it_is_trimmed_once(tmp_path):
-    """tests/site/suite_cache.py: a write here and in a process the suite starts skips JAX's
-    scan of every entry; `trim` (as the suite starts) evicts the least recently used entries
-    past the limit."""
-    import os
-    import subprocess
-    import sys
-    import time
-
-    import suite_cache
-    from jax._src import lru_cache
-
-    cache = lru_cache.LRUCache(str(tmp_path), max_size=25)
-    for key in ("oldest", "middle", "newest"):
-        cache.put(key, b"x" * 10)  # 30 bytes: past the limit, nothing evicted
-        time.sleep(0.01)
-    assert len(list(tmp_path.glob("*-cache"))) == 3
-    suite_cache.trim(str(tmp_path), 25)
-    assert sorted(p.name for p in tmp_path.glob("*-cache")) == ["middle-cache", "newest-cache"]
-    child = subprocess.run(
-        [sys.executable, "-c", "import jax._src.lru_cache as m; "
-         "print(hasattr(m.LRUCache, '_suite_scan'))"],
-        env=os.environ, capture_output=True, text=True, check=True)
-    assert child.stdout.strip() == "True"

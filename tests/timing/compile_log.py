@@ -1,7 +1,7 @@
 """Where a test's time goes: XLA compilation (or a cache read) against everything else.
 
 Opt-in: with TUNIX_TEST_TIMING=<dir> set, every test process (pytest's workers through
-tests/conftest.py, and every subprocess a test starts through tests/site/sitecustomize.py)
+tests/conftest.py, and every subprocess a test starts through this folder's sitecustomize.py)
 appends one JSON line per test to <dir>/<pid>.jsonl with the seconds JAX spent tracing, lowering
 and compiling (a persistent-cache read counts as compiling), and its cache hits and misses.
 `python tests/timing/report.py <dir> <pytest's durations file>` sums them per test and per file.
@@ -12,8 +12,6 @@ import json
 import os
 import time
 from collections import defaultdict
-
-import suite_cache  # tests/site, on the path of every process of the suite
 
 EVENTS = {
     "/jax/core/compile/jaxpr_trace_duration": "trace_s",
@@ -64,7 +62,34 @@ def for_subprocess() -> None:
     log.test = current.rsplit(" (", 1)[0]
     started = time.perf_counter()
     log.totals[log.test]["processes"] += 1
-    suite_cache.after_import("jax", log.listen)
+    _after_import("jax", log.listen)
     atexit.register(log.flush)  # atexit runs last-in first-out: the wall time below is taken first
     atexit.register(lambda: log.totals[log.test].__setitem__(
         "wall_s", time.perf_counter() - started))
+
+
+def _after_import(name: str, then) -> None:
+    """Runs `then()` right after module `name` is first imported (nothing for processes that
+    never import it)."""
+    import importlib.abc
+    import importlib.machinery
+    import sys
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            if spec is None or spec.loader is None:
+                return spec
+            exec_module = spec.loader.exec_module
+
+            def exec_and_then(module):
+                exec_module(module)
+                then()
+
+            spec.loader.exec_module = exec_and_then
+            return spec
+
+    sys.meta_path.insert(0, Finder())
