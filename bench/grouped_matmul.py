@@ -73,9 +73,17 @@ def main(argv: list[str]) -> dict:
 
 
 def _dense(x_AxD, w_DxF) -> dict:
-    forward = jax.jit(lambda x, w: x @ w)
-    grads = jax.jit(jax.grad(lambda x, w: jnp.sum((x @ w).astype(jnp.float32)), argnums=(0, 1)))
-    return {"forward": lambda: forward(x_AxD, w_DxF), "with_gradients": lambda: grads(x_AxD, w_DxF)}
+    return _passes(lambda x, w: x @ w, x_AxD, w_DxF)
+
+
+def _passes(product, x, w) -> dict:
+    """The forward pass, and the forward pass with the gradients of x and w for a random
+    output gradient passed in (a constant one, as a sum's, lets XLA fold the dense matmul's
+    backward into sums: 1,090 TFLOP/s on an H100, past its peak, 2026-11-27)."""
+    forward = jax.jit(product)
+    dy = jax.random.normal(jax.random.key(1), jax.eval_shape(product, x, w).shape, x.dtype)
+    grads = jax.jit(lambda x, w, dy: jax.vjp(product, x, w)[1](dy))
+    return {"forward": lambda: forward(x, w), "with_gradients": lambda: grads(x, w, dy)}
 
 
 def _routed(name: str, x_TxD, w_ExDxF, experts_A, k: int, E: int) -> dict:
@@ -85,14 +93,7 @@ def _routed(name: str, x_TxD, w_ExDxF, experts_A, k: int, E: int) -> dict:
     rows = layout(experts_A, k, E)
     x_PxD = jax.jit(rows.from_tokens)(x_TxD)
 
-    def product(x, w):
-        return rows.matmul(x, w)
-
-    forward = jax.jit(product)
-    grads = jax.jit(jax.grad(lambda x, w: jnp.sum(product(x, w).astype(jnp.float32)),
-                             argnums=(0, 1)))
-    return {"forward": lambda: forward(x_PxD, w_ExDxF),
-            "with_gradients": lambda: grads(x_PxD, w_ExDxF)}
+    return _passes(rows.matmul, x_PxD, w_ExDxF)
 
 
 def _tokamax_triton(lhs, rhs, sizes_E):

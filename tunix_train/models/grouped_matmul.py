@@ -13,8 +13,8 @@ No atomics: each dw block is one program's. On a backend without Triton (CPU) th
 through Pallas's interpreter: exact, slow, and what the tests check them with (tests/test_moe.py
 against `jax.lax.ragged_dot` and the dense computation, values and gradients; and that they
 lower to Triton). On an H100 (2026-11-27, docs/performance.md) a train step gave the same losses
-and gradient norms as `tiles` and `ragged_dot`; with their gradients, Qwen3-30B-A3B's experts on
-16,384 tokens ran at 0.24x the speed of a dense matmul of the same FLOPs, `tiles` at 0.09x.
+and gradient norms as `tiles` and `ragged_dot`; forward, Qwen3-30B-A3B's experts on 16,384
+tokens ran at 0.38x the speed of a dense matmul of the same FLOPs, `tiles` at 0.25x.
 
 Also here: tokamax's grouped matmul (`tokamax_ragged_dot`), the maintained library's kernels.
 """
