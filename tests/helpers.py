@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -60,6 +62,31 @@ FAMILY_MODELS = {
                 "model.expert_hidden_dim=32", "training.moe_aux_loss_weight=0"],
 }
 FAMILIES = list(FAMILY_MODELS)
+
+
+# Linux hands out ports from 32768 up to any process that binds port 0 (gloo's pairs, JAX's
+# coordinator clients) or connects: a job's ports are picked below that range, so that none of
+# those can take one between the check here and the job's own bind.
+PORTS_BELOW = 32768
+
+
+def free_port(span: int = 3) -> int:
+    """A MASTER_PORT whose `span` ports from it are free (a job of ours listens on MASTER_PORT
+    to + 2: torchrun's store, the run dir's handshake, JAX's coordinator), below the range
+    the kernel hands out itself."""
+    while True:
+        port = random.randrange(20000, PORTS_BELOW - span)
+        if all(_bindable(port + i) for i in range(span)):
+            return port
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def family_tiny(family: str, *overrides: str) -> list[str]:

@@ -3,7 +3,6 @@ share, and an iterator state saved on one process count restores exactly on anot
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -12,7 +11,7 @@ import numpy as np
 import pytest
 
 from compile_flags import with_fast_compile
-from helpers import REPO, TINY, compose_config
+from helpers import REPO, TINY, compose_config, free_port
 from tunix_train.data import demo
 from tunix_train.training.setup import Setup
 
@@ -42,16 +41,10 @@ def _one_process(overrides, restore=None):
     return batches, state, restored
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_processes(out, overrides, restore_file):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
     with_fast_compile(env)
     worker = REPO / "tests" / "data_order_worker.py"
     procs = [subprocess.Popen([sys.executable, str(worker), str(out), str(BATCHES),

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from compile_flags import with_fast_compile
-from helpers import ONE_STACK, REPO, TINY, mesh_arg, run_cli
+from helpers import ONE_STACK, REPO, TINY, free_port, mesh_arg, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -51,12 +51,6 @@ def wait_for_first_logged_step(proc: subprocess.Popen, cwd: Path) -> None:
             cwd).joinpath("metrics.jsonl").read_text():
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.5)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -195,12 +189,16 @@ def test_a_lone_process_says_what_it_waits_for_then_gives_up(tmp_path):
 
 
 def test_sigterm_ends_a_process_waiting_for_its_peers_at_once(tmp_path):
-    lines = []
-    proc = by_hand(1, free_port(), [*ONE_STACK], tmp_path)
-    read_until(proc, "waiting for process 0 (RANK=0) at 127.0.0.1:", lines)
-    signalled = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=10) == 5
+    """Process 1 with no process 0: the handshake's port (MASTER_PORT + 1) is held bound and
+    not listening, so that every connection to it is refused, whatever else runs."""
+    lines, port = [], free_port()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", port + 1))
+        proc = by_hand(1, port, [*ONE_STACK], tmp_path)
+        read_until(proc, "waiting for process 0 (RANK=0) at 127.0.0.1:", lines)
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 5
     assert time.monotonic() - signalled < 10
     assert "SIGTERM received while waiting for process 0 (RANK=0)" in proc.stdout.read()
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from helpers import ONE_STACK, compose_config, run_cli, sigterm_when_paused, start_cli
+from helpers import (ONE_STACK, compose_config, free_port, run_cli, sigterm_when_paused,
+                     start_cli)
 from typed_docs import CPU_SCALE, Typed, ok, page_commands
 from tunix_train.config import ConfigError
 from tunix_train import validation
@@ -31,12 +32,6 @@ FAULTS = "TUNIX_TRAIN_TEST_FAULTS"
 
 # Every step logged, no periodic checkpoint (SIGTERM saves one), every scalar of a short run.
 TRACKED = [*ONE_STACK, "training.steps=4", "logging.every_steps=1", "checkpoint.every_steps=0"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # docs/monitoring.md's MLflow section: its server command, then its training command.
