@@ -53,14 +53,17 @@ def repo() -> Path:
 # xdist hands whole files to its two workers in collection order (`--dist loadfile`,
 # `--no-loadscope-reorder` in pyproject.toml). The files with the longest runs go first, so that
 # none of them starts last and keeps one worker busy while the other has finished; the rest
-# follow in pytest's order. Worker minutes measured on a 2-core VM (2026-11-26, cold cache,
-# tests/timing/report.py): lora ~5.3, grpo ~4.7, context ~4.5, schedulers ~4.4, resume ~4.0,
-# docs as typed ~3.6 / guides ~3.0 / pages ~1.6, launch ~3.5, the pipeline files ~2.2 each.
-LONGEST_FIRST = ["test_grpo.py", "test_launch.py", "test_schedulers.py", "test_lora.py",
-                 "test_docs_as_typed.py", "test_context.py", "test_docs_as_typed_guides.py",
-                 "test_resume.py", "test_docs_as_typed_pages.py", "test_pipeline.py",
-                 "test_dpo.py", "test_fsdp.py", "test_train_step.py", "test_pipeline_leftover.py",
-                 "test_flash.py", "test_pipeline_circular.py", "test_blockwise.py"]
+# follow in pytest's order. Worker seconds measured on a 2-core VM (2026-11-28, cold cache,
+# tests/timing/report.py): resume ~280, lora ~225, docs as typed guides ~220 / ~220 / pages
+# ~125, grpo ~205, context ~200, schedulers ~195, launch ~185, train_step ~175, moe ~165,
+# expert_parallel ~140, the pipeline files ~75-95 each.
+LONGEST_FIRST = ["test_resume.py", "test_lora.py", "test_docs_as_typed_guides.py",
+                 "test_docs_as_typed.py", "test_grpo.py", "test_context.py", "test_schedulers.py",
+                 "test_launch.py", "test_train_step.py", "test_moe.py", "test_expert_parallel.py",
+                 "test_docs_as_typed_pages.py", "test_pipeline.py", "test_trackers.py",
+                 "test_pipeline_leftover.py", "test_model.py", "test_flash.py", "test_offload.py",
+                 "test_dpo.py", "test_pipeline_circular.py", "test_cli.py", "test_tools.py",
+                 "test_fsdp.py"]
 
 
 TIMING_DIR = os.environ.get("TUNIX_TEST_TIMING")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from compile_flags import with_fast_compile
+from compile_flags import SAME_PROGRAM, with_fast_compile
 
 # A scheduler's variables (the suite run inside a SLURM allocation, say) would make the commands
 # the tests start tasks of that job (tunix_train/parallel/distributed.py): they are left out.
@@ -96,7 +96,9 @@ class Typed:
             env["PYTHONPATH"] = os.environ.get("PYTHONPATH", "")
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         env.update(extra or {})
-        return with_fast_compile(env)  # codegen only (compile_flags.py); commands unchanged
+        # LLVM's optimisation off only (compile_flags.py): the program, and the memory figures
+        # a planner command prints, are a user's; the commands are unchanged.
+        return with_fast_compile(env, SAME_PROGRAM)
 
     def line(self, command: str, append: list[str] | tuple = ()) -> str:
         return " ".join([command, *map(shlex.quote, append)])
