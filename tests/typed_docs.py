@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from compile_flags import SAME_PROGRAM, with_fast_compile
+from compile_flags import FAST_COMPILE, SAME_PROGRAM, with_fast_compile
 
 # A scheduler's variables (the suite run inside a SLURM allocation, say) would make the commands
 # the tests start tasks of that job (tunix_train/parallel/distributed.py): they are left out.
@@ -87,7 +87,7 @@ class Typed:
             else:
                 shutil.copy2(source, target)
 
-    def env(self, extra: dict | None = None) -> dict:
+    def env(self, extra: dict | None = None, command: str = "") -> dict:
         """The user's shell: `python` is this interpreter; no simulated devices unless the
         page sets them (conftest's 8 are the test process's own)."""
         env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")
@@ -96,9 +96,11 @@ class Typed:
             env["PYTHONPATH"] = os.environ.get("PYTHONPATH", "")
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         env.update(extra or {})
-        # LLVM's optimisation off only (compile_flags.py): the program, and the memory figures
-        # a planner command prints, are a user's; the commands are unchanged.
-        return with_fast_compile(env, SAME_PROGRAM)
+        # Codegen flags only (compile_flags.py); the commands are unchanged. A planner command
+        # compiles as a user's does but for LLVM's optimisation: the memory figures it prints
+        # (XLA's analysis) are the ones the page shows.
+        planner = "tunix_train.plan" in command
+        return with_fast_compile(env, SAME_PROGRAM if planner else FAST_COMPILE)
 
     def line(self, command: str, append: list[str] | tuple = ()) -> str:
         return " ".join([command, *map(shlex.quote, append)])
@@ -107,14 +109,14 @@ class Typed:
             timeout: int = 900) -> subprocess.CompletedProcess:
         """`command` exactly as shown, then `append`, from the working copy's root."""
         return subprocess.run(["bash", "-c", self.line(command, append)], cwd=self.root,
-                              env=self.env(env), capture_output=True, text=True,
+                              env=self.env(env, command), capture_output=True, text=True,
                               timeout=timeout)
 
     def start(self, command: str, *append: str, env: dict | None = None) -> subprocess.Popen:
         """The same, running; stdout and stderr as one stream of lines."""
         # bash execs a lone simple command itself (`VAR=… python …` included): signals reach it.
         return subprocess.Popen(["bash", "-c", self.line(command, append)],
-                                cwd=self.root, env=self.env(env), stdout=subprocess.PIPE,
+                                cwd=self.root, env=self.env(env, command), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
 
     def run_python(self, code: str, env: dict | None = None,
