@@ -8,6 +8,8 @@ the update that makes the state's step 6).
     FAULTS='{"hang_at_step": 3}'           # the host stops after step 3
     FAULTS='{"kill_at_step": 5}'           # SIGKILL while step 5 runs on the device
     FAULTS='{"kill_in_save_at_step": 4}'   # SIGKILL while step 4's save is in flight
+    FAULTS='{"kill_in_save_at_step": 4, "save_dir": "<run dir>/checkpoints"}'  # once its
+                                           # temporary directory exists there (not before)
     FAULTS='{"pause_at_step": 2, "resume_file": "/tmp/go"}'  # wait after step 2 for the file
     FAULTS='{"log_steps": true}'           # a line per dispatched step
     FAULTS='{"check_all_bytes": 0}'        # JSON lines files checked as if large (first lines)
@@ -21,7 +23,8 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Optional
+from pathlib import Path
+from typing import Callable, Optional
 
 import jax.numpy as jnp
 
@@ -37,6 +40,7 @@ class Faults(StepHooks):
     hang_at_step: Optional[int] = None
     kill_at_step: Optional[int] = None
     kill_in_save_at_step: Optional[int] = None
+    save_dir: Optional[str] = None  # with kill_in_save_at_step: wait for the save's files there
     pause_at_step: Optional[int] = None
     resume_file: Optional[str] = None
     log_steps: bool = False
@@ -71,7 +75,11 @@ class Faults(StepHooks):
 
     def after_save_started(self, step: int) -> None:
         if step == self.kill_in_save_at_step:
-            # The async save has only just started writing: this is a crash mid-save.
+            # The async save has only just started writing: this is a crash mid-save. Orbax
+            # makes the step's temporary directory on its own thread: on a loaded machine
+            # that can come after this line, so wait for it where a test looks for it.
+            if self.save_dir is not None:
+                _wait_for(lambda: any(Path(self.save_dir).glob(f"{step}.*")), 60)
             log.warning("fault injection: SIGKILL while the save of step %d is in flight", step)
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -79,3 +87,9 @@ class Faults(StepHooks):
 def _hang() -> None:
     while True:
         time.sleep(3600)
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)

@@ -182,7 +182,8 @@ def test_sigkill_during_a_save_resumes_from_the_previous_complete_step(reference
     run_dir = tmp_path / "run"
     # keep=1: had Orbax deleted step 2 before step 4 committed, nothing would be left.
     args = ("checkpoint.every_steps=2", "checkpoint.keep=1")
-    train(run_dir, *args, faults={"kill_in_save_at_step": 4}, expect=-signal.SIGKILL)
+    faults = {"kill_in_save_at_step": 4, "save_dir": str(run_dir / "checkpoints")}
+    train(run_dir, *args, faults=faults, expect=-signal.SIGKILL)
     assert committed(run_dir) == [2]
     assert list((run_dir / "checkpoints").glob("4.*")), "step 4's save was not in flight"
     output = train(run_dir, *args)
