@@ -98,6 +98,18 @@ def wait_for(condition, what: str, timeout_s: float = 400) -> None:
         time.sleep(0.5)
 
 
+RUNNING = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED")  # a job's states before
+# its end
+
+
+def ended(job: str, cluster: dict) -> tuple[str, str]:
+    """(JobState, ExitCode) once the job has ended. Polled here every 0.5 s: `sbatch --wait`
+    polls at doubling intervals up to 32 s, which kept each waiting test ~30 s past its job."""
+    wait_for(lambda: job_state(job, cluster)["JobState"] not in RUNNING, f"job {job} to end")
+    state = job_state(job, cluster)
+    return state["JobState"], state["ExitCode"]
+
+
 @pytest.fixture(scope="module")
 def typed_job(cluster, tmp_path_factory):
     """`sbatch train.sh` as the page shows it, from a fresh copy of the repository:
@@ -105,9 +117,10 @@ def typed_job(cluster, tmp_path_factory):
     typed = Typed(tmp_path_factory.mktemp("typed") / "tunix_train")
     (typed.root / "train.sh").write_text(batch_script(*APPEND))
     [submit] = [c for c in page_commands("docs/multi_node.md") if c.startswith("sbatch")]
-    result = typed.run(submit, env={**cluster, **NODE_DEVICES, "SBATCH_WAIT": "1"})
+    result = typed.run(submit, env={**cluster, **NODE_DEVICES})
     assert result.returncode == 0, result.stdout + result.stderr
     job = re.search(r"Submitted batch job (\d+)", result.stdout).group(1)
+    assert ended(job, cluster) == ("COMPLETED", "0:0"), (typed.root / f"slurm-{job}.out")
     output = (typed.root / f"slurm-{job}.out").read_text()
     [run_dir] = (typed.root / "outputs").glob(f"*/slurm-{job}")
     return typed, job, output, run_dir
@@ -176,10 +189,9 @@ def test_python_run_by_an_sbatch_script_itself_is_told_to_use_srun(cluster, tmp_
     before JAX looks for a coordinator."""
     script = tmp_path / "job.sh"
     script.write_text(f"#!/bin/bash\n{sys.executable} {REPO / 'run_training.py'}\n")
-    done = subprocess.run(["sbatch", "--wait", "--ntasks=2", f"--output={tmp_path}/out.txt",
-                           str(script)], cwd=tmp_path, env=slurm_env(cluster),
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2, done.stdout + done.stderr
+    job = slurm(cluster, "sbatch", "--parsable", "--ntasks=2", f"--output={tmp_path}/out.txt",
+                f"--chdir={tmp_path}", str(script)).strip().split(";")[0]
+    assert ended(job, cluster) == ("FAILED", "2:0"), (tmp_path / "out.txt").read_text()
     [error] = [line for line in Path(tmp_path / "out.txt").read_text().splitlines()
                if "error" in line.lower()]
     assert "SLURM_NTASKS=2 but this process is not a task of srun" in error

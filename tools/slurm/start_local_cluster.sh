@@ -64,6 +64,7 @@ fi
     echo "SelectType=select/cons_tres"
     echo "SelectTypeParameters=CR_CPU"
     echo "SchedulerType=sched/backfill"
+    echo "SchedulerParameters=bf_interval=1,sched_interval=2"
     echo "MpiDefault=none"
     # Nodes may declare more CPUs than the machine has (tests run 2 tasks per node on 2 cores).
     echo "SlurmdParameters=config_overrides"
