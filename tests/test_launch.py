@@ -178,13 +178,14 @@ def test_processes_started_by_hand_seconds_apart_share_one_run_dir(tmp_path, ref
 
 def test_a_lone_process_says_what_it_waits_for_then_gives_up(tmp_path):
     started, lines = time.monotonic(), []
-    proc = by_hand(0, free_port(), [*ONE_STACK, "distributed.init_timeout_s=15"], tmp_path)
+    # 8 s: past the first "waiting for" line, which comes after 5 s (parallel/waiting.py).
+    proc = by_hand(0, free_port(), [*ONE_STACK, "distributed.init_timeout_s=8"], tmp_path)
     said = read_until(proc, "waiting for 1 of 2 processes to join at port", lines)
     assert said - started < 20
     assert proc.wait(timeout=60) == 5
-    assert time.monotonic() - started < 15 + 15  # the timeout, plus Python's start-up
+    assert time.monotonic() - started < 8 + 15  # the timeout, plus Python's start-up
     output = "".join(lines) + proc.stdout.read()
-    assert "error: distributed.init_timeout_s=15 passed with 1 of WORLD_SIZE=2 processes joined" \
+    assert "error: distributed.init_timeout_s=8 passed with 1 of WORLD_SIZE=2 processes joined" \
         in output
 
 
