@@ -79,6 +79,8 @@ class Faults(StepHooks):
             # makes the step's temporary directory on its own thread: on a loaded machine
             # that can come after this line, so wait for it where a test looks for it.
             if self.save_dir is not None:
+                log.warning("fault injection: waiting for step %d's save to write in %s", step,
+                            self.save_dir)
                 _wait_for(lambda: any(Path(self.save_dir).glob(f"{step}.*")), 60)
             log.warning("fault injection: SIGKILL while the save of step %d is in flight", step)
             os.kill(os.getpid(), signal.SIGKILL)

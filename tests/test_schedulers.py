@@ -98,8 +98,8 @@ def wait_for(condition, what: str, timeout_s: float = 400) -> None:
         time.sleep(0.5)
 
 
-RUNNING = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED")  # a job's states before
-# its end
+# A job's states before it ends.
+RUNNING = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED")
 
 
 def ended(job: str, cluster: dict) -> tuple[str, str]:
@@ -120,8 +120,9 @@ def typed_job(cluster, tmp_path_factory):
     result = typed.run(submit, env={**cluster, **NODE_DEVICES})
     assert result.returncode == 0, result.stdout + result.stderr
     job = re.search(r"Submitted batch job (\d+)", result.stdout).group(1)
-    assert ended(job, cluster) == ("COMPLETED", "0:0"), (typed.root / f"slurm-{job}.out")
+    finished = ended(job, cluster)
     output = (typed.root / f"slurm-{job}.out").read_text()
+    assert finished == ("COMPLETED", "0:0"), output
     [run_dir] = (typed.root / "outputs").glob(f"*/slurm-{job}")
     return typed, job, output, run_dir
 

@@ -64,6 +64,7 @@ fi
     echo "SelectType=select/cons_tres"
     echo "SelectTypeParameters=CR_CPU"
     echo "SchedulerType=sched/backfill"
+    # Schedule every 1-2 s, not SLURM's 30/60 s: a requeued job starts when its start time comes.
     echo "SchedulerParameters=bf_interval=1,sched_interval=2"
     echo "MpiDefault=none"
     # Nodes may declare more CPUs than the machine has (tests run 2 tasks per node on 2 cores).
