@@ -159,6 +159,24 @@ def test_text_files_are_read_in_pieces_that_tile_them(tmp_path, piece_bytes):
     assert [p.last for p in pieces] == [False] * (len(pieces) - 1) + [True]
 
 
+@pytest.mark.parametrize("max_bytes", [1, 400_000, 10**12])
+def test_the_builtin_corpus_is_the_standard_librarys_sorted_files_outside_the_skipped_ones(
+        max_bytes):
+    """Against the definition: every non-empty `.py` file below the standard library whose
+    folders are none of the skipped ones, in sorted order, until `max_bytes` is reached."""
+    from tunix_train.data import builtin
+
+    root = builtin.stdlib_root()
+    wanted, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if total >= max_bytes or builtin._SKIP_DIRS & set(path.relative_to(root).parts[:-1]):
+            continue
+        if path.stat().st_size:
+            wanted.append(path)
+            total += path.stat().st_size
+    assert builtin.files(max_bytes) == wanted and wanted
+
+
 def test_sft_weights_only_the_response(corpus):
     from tunix_train.data.tokenizer import ByteTokenizer
 

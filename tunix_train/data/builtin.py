@@ -6,6 +6,7 @@ here; their text is read when the pipeline reaches them.
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
 
@@ -19,11 +20,8 @@ def stdlib_root() -> Path:
 
 def files(max_bytes: int) -> list[Path]:
     """The corpus's files, sorted, until their sizes add up to `max_bytes`."""
-    root = stdlib_root()
     chosen, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        if _SKIP_DIRS.intersection(path.relative_to(root).parts[:-1]):
-            continue
+    for path in sorted(_sources(stdlib_root())):
         size = path.stat().st_size
         if size == 0:
             continue
@@ -32,3 +30,14 @@ def files(max_bytes: int) -> list[Path]:
         if total >= max_bytes:
             break
     return chosen
+
+
+def _sources(root: Path) -> list[Path]:
+    """Every `.py` file under `root` outside the skipped folders, which are never entered (an
+    interpreter's own site-packages sits below its standard library: listing it cost every run
+    a quarter of a second on a machine where it held 51,000 of the 59,000 entries)."""
+    found = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [name for name in subfolders if name not in _SKIP_DIRS]
+        found.extend(Path(folder, name) for name in names if name.endswith(".py"))
+    return found
