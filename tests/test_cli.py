@@ -57,6 +57,30 @@ def test_a_run_ends_by_saying_where_it_is_and_a_finished_run_is_not_redone(tmp_p
     assert "training.steps=4 hydra.run.dir=run" in fewer.stdout.split("continue: ")[1]
 
 
+def test_tensorboard_is_written_without_importing_what_tensorboardx_would_not_use(tmp_path):
+    """metrics._summary_writer keeps torch, google.cloud.storage and boto3 out of a run's
+    start-up (seconds of imports for torch tensors and gs:// or s3:// folders) and leaves
+    them importable afterwards."""
+    import subprocess
+    import sys
+
+    from helpers import cli_env
+
+    script = """if True:
+        import json, sys
+        from tunix_train.training import metrics
+        writer = metrics._summary_writer()(sys.argv[1])
+        writer.add_scalar("x", 1.0, 0)
+        writer.close()
+        # Imported, or still blocked (a None entry): neither may be left.
+        print(json.dumps([n for n in metrics._UNUSED_BY_TENSORBOARDX if n in sys.modules]))"""
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "tb")],
+                            env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == []
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
 def test_a_run_dir_that_cannot_be_made_is_one_sentence_and_exit_2(tmp_path):
     (tmp_path / "notes.txt").write_text("a file, not a directory")
     result = run_cli([*TINY, "hydra.run.dir=notes.txt/run"], cwd=tmp_path)

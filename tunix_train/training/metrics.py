@@ -43,18 +43,22 @@ def setup_process_logging(process_index: int) -> None:
         handler.setFormatter(logging.Formatter(f"[rank {process_index}] {fmt}"))
 
 
+# What tensorboardX imports whenever it is installed, for what a run never gives it: torch (to
+# accept torch tensors; ~4 s of start-up where transformers users have it), google.cloud.storage
+# and boto3 (for gs:// and s3:// log dirs; 0.2 s). A run's TensorBoard folder is a local path.
+_UNUSED_BY_TENSORBOARDX = ("torch", "google.cloud.storage", "boto3")
+
+
 def _summary_writer() -> type:
-    """tensorboardX's SummaryWriter, imported lazily (only process 0 needs it) and without
-    PyTorch: tensorboardX imports torch whenever it is installed, only to accept torch tensors,
-    which costs every run ~4 s of start-up on a machine that has it (transformers users do)."""
-    if "torch" in sys.modules:
-        from tensorboardX import SummaryWriter
-        return SummaryWriter
-    sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError
+    """tensorboardX's SummaryWriter, imported lazily (only process 0 needs it) and without the
+    modules above (those not imported already)."""
+    blocked = [name for name in _UNUSED_BY_TENSORBOARDX if name not in sys.modules]
+    sys.modules.update(dict.fromkeys(blocked))  # `import name` raises ImportError
     try:
         from tensorboardX import SummaryWriter
     finally:
-        del sys.modules["torch"]
+        for name in blocked:
+            del sys.modules[name]
     return SummaryWriter
 
 
