@@ -58,7 +58,7 @@ def test_chunked_attention_equals_dense_attention_and_its_gradients(exchange, wi
         np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
 
 
-COMMON = [*TINY, "model.num_layers=9", "model.global_every=2", "data.seq_len=1024",
+COMMON = [*TINY, "model.num_layers=9", "model.global_every=2", "data.seq_len=512",
           "training.global_batch_size=4",
           "model.attention_impl=blockwise"]
 
@@ -66,7 +66,7 @@ COMMON = [*TINY, "model.num_layers=9", "model.global_every=2", "data.seq_len=102
 @pytest.fixture(scope="module")
 def without_cp():
     """fsdp 2 × tp 2 on 4 devices, no cp: the reference losses (3 steps, packed documents,
-    local layers of window 16 and global ones, 1,024 tokens)."""
+    local layers of window 16 and global ones, 512 tokens)."""
     cfg = compose_config(*COMMON, 'model.mesh_shape=[[2,1,2],["fsdp","cp","tp"]]')
     losses, _ = train_losses(cfg, 3, jax.devices()[:4])
     assert losses[-1] < losses[0]
