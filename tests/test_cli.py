@@ -1,10 +1,12 @@
 """`python run_training.py` as a user runs it, in a subprocess."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
-from helpers import TINY, mesh_arg, run_cli
+from helpers import TINY, cli_env, mesh_arg, run_cli
 
 pytestmark = pytest.mark.slow
 EIGHT_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
@@ -61,11 +63,6 @@ def test_tensorboard_is_written_without_importing_what_tensorboardx_would_not_us
     """metrics._summary_writer keeps torch, google.cloud.storage and boto3 out of a run's
     start-up (seconds of imports for torch tensors and gs:// or s3:// folders) and leaves
     them importable afterwards."""
-    import subprocess
-    import sys
-
-    from helpers import cli_env
-
     script = """if True:
         import json, sys
         from tunix_train.training import metrics
@@ -169,10 +166,7 @@ BAD_VALUES = [
 @pytest.fixture(scope="module")
 def bad_value_runs(tmp_path_factory) -> dict:
     """Each bad value through run_training.py's entry point (tests/bad_values_worker.py)."""
-    import subprocess
-    import sys
-
-    from helpers import REPO, cli_env
+    from helpers import REPO
 
     base = tmp_path_factory.mktemp("bad_values")
     mistakes = [m.split() for m in HYDRA_MISTAKES]
