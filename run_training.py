@@ -6,7 +6,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from tunix_train import cli
+from tunix_train import cli, gc_policy
 from tunix_train.config import CONFIG_DIR, register_configs
 
 register_configs()
@@ -18,5 +18,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    gc_policy.collect_less_often()
     cli.before_hydra(sys.argv)  # overrides checked (exit 2), one run dir for hand-started jobs
     main()

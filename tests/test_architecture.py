@@ -2,7 +2,7 @@
 
     entry points (cli, plan, generate, export, launch)
       → grpo, dpo → training → inference → analysis → parallel → models, data, checkpoint
-      → config, validation, paths, backend
+      → config, validation, paths, backend, gc_policy
 
 No cycles; the model package never imports the distribution layer (it names logical axes only);
 inference never imports the trainer; mesh axis names are spelled in the mesh module alone.
@@ -24,7 +24,8 @@ LAYERS = [  # top to bottom; a module may import its own layer's modules and tho
     {"tunix_train.analysis"},
     {"tunix_train.parallel"},
     {"tunix_train.models", "tunix_train.data", "tunix_train.checkpoint"},
-    {"tunix_train.config", "tunix_train.validation", "tunix_train.paths", "tunix_train.backend"},
+    {"tunix_train.config", "tunix_train.validation", "tunix_train.paths", "tunix_train.backend",
+     "tunix_train.gc_policy"},
 ]
 
 

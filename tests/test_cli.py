@@ -78,6 +78,36 @@ def test_tensorboard_is_written_without_importing_what_tensorboardx_would_not_us
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
 
+def test_every_entry_point_collects_garbage_less_often_before_its_work(repo, tmp_path):
+    """Each command starts with tunix_train/gc_policy.py's thresholds and its imports frozen
+    out of full collections: run here as `__main__` with a bad argument, each exits before any
+    work, the policy already set (CPython's defaults restored before each)."""
+    script = """if True:
+        import gc, json, runpy, sys
+        seen = {}
+        for entry, run in [("run_training.py", runpy.run_path),
+                           ("tunix_train.plan", runpy.run_module),
+                           ("tunix_train.generate", runpy.run_module),
+                           ("tunix_train.export", runpy.run_module)]:
+            gc.unfreeze()
+            gc.set_threshold(700, 10, 10)
+            sys.argv = [entry, "no_such_key=1"]
+            try:
+                run(entry, run_name="__main__")
+            except SystemExit as exit:
+                seen[entry] = [exit.code, gc.get_threshold(), gc.get_freeze_count() > 0]
+        print(json.dumps(seen))"""
+    result = subprocess.run([sys.executable, "-c", script], cwd=repo, env=cli_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    from tunix_train import gc_policy
+
+    policy = [gc_policy.YOUNG, gc_policy.OLDER, gc_policy.OLDER]
+    assert json.loads(result.stdout.splitlines()[-1]) == {
+        entry: [2, policy, True] for entry in ("run_training.py", "tunix_train.plan",
+                                                "tunix_train.generate", "tunix_train.export")}
+
+
 def test_a_run_dir_that_cannot_be_made_is_one_sentence_and_exit_2(tmp_path):
     (tmp_path / "notes.txt").write_text("a file, not a directory")
     result = run_cli([*TINY, "hydra.run.dir=notes.txt/run"], cwd=tmp_path)

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from tunix_train import cli, paths
+from tunix_train import cli, gc_policy, paths
 from tunix_train.inference import weights
 from tunix_train.config import Config, ConfigError
 from tunix_train.data import tokenizer as tokenizer_lib
@@ -127,4 +127,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    gc_policy.collect_less_often()
     main(sys.argv[1:])

@@ -11,7 +11,7 @@ import json
 import sys
 from typing import Any, Iterable
 
-from tunix_train import cli, validation
+from tunix_train import cli, gc_policy, validation
 from tunix_train.inference import weights
 from tunix_train.config import Config, ConfigError
 from tunix_train.data import tokenizer as tokenizer_lib
@@ -84,4 +84,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    gc_policy.collect_less_often()
     main(sys.argv[1:])

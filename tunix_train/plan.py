@@ -28,7 +28,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from tunix_train import cli, validation
+from tunix_train import cli, gc_policy, validation
 from tunix_train.config import Config, ConfigError, register_configs
 from tunix_train.parallel import mesh as mesh_lib
 
@@ -237,6 +237,7 @@ def main(dict_cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    gc_policy.collect_less_often()
     if not os.environ.get(_REEXECUTED):  # the re-executed planner got checked arguments
         cli.before_hydra(sys.argv)
     main()
