@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/faults.py
 
 from faults import Faults  # noqa: E402
-from tunix_train import cli  # noqa: E402
+from tunix_train import cli, gc_policy  # noqa: E402
 from tunix_train.config import CONFIG_DIR, register_configs  # noqa: E402
 from tunix_train.data import sources  # noqa: E402
 
@@ -29,5 +29,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    gc_policy.collect_less_often()
     cli.before_hydra(sys.argv)
     main()
