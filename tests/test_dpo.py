@@ -192,6 +192,8 @@ def test_first_loss_is_ln2_and_8_devices_with_accumulation_equal_one_device(
                 "eval_margin", "eval_accuracy"):
         got, want = metrics(run_dir, key), metrics(one_device, key)
         assert sorted(got) == sorted(want), key
+        if key == "eval_accuracy":  # at step 0 the policy is the reference: every margin is 0
+            got.pop(0), want.pop(0)  # up to rounding (eval_margin's 1e-6), its sign is noise
         np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)],
                                    rtol=1e-5, atol=1e-6, err_msg=key)
     for losses in (metrics(run_dir, "loss"), metrics(one_device, "loss")):
