@@ -2,12 +2,12 @@
 
 import os
 
-from compile_flags import FAST_COMPILE, with_fast_compile
+from compile_flags import with_fast_compile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
-with_fast_compile(os.environ, FAST_COMPILE)  # type: ignore[arg-type]  # workers: O0
+with_fast_compile(os.environ)  # type: ignore[arg-type]
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import hashlib  # noqa: E402
