@@ -17,24 +17,14 @@ is compiled alike on both sides; numerics agree within float tolerance.
   9.4 worker-minutes with it, 13.1 without). It changes XLA's CPU memory analysis (the
   fusions' temporaries), so a planner command a page shows (tests/typed_docs.py) runs without
   it: the figures it prints are the ones a user's prints.
-
-The commands a test starts (`run_training.py`, `generate`, `export`, launchers' ranks: ~220 a
-run) keep XLA's own optimisation level (COMMANDS): their programs are a CPU-scale model's,
-small enough that LLVM's optimisation adds little to compiling them, and they run steps,
-evaluations and generation that O0 slows by a third. Measured 2026-11-28 on this 2-core VM
-(a 4-step tiny run, a 6-step llama3_tiny fsdp 2 × tp 2 with accumulation, README's pp2 × fsdp8
-command at CPU scale; seconds, cold cache then warm): O0 31.3 cold, 23.6 warm; O2 33.4 cold,
-17.8 warm. A command that only compiles (the planner) keeps O0 as the workers do.
 """
 
 SAME_PROGRAM = ("--xla_backend_optimization_level=0",)
-FAST_COMPILE = (*SAME_PROGRAM, "--xla_cpu_use_fusion_emitters=false")  # the pytest workers
-COMMANDS = ("--xla_cpu_use_fusion_emitters=false",)  # the commands tests start
+FAST_COMPILE = (*SAME_PROGRAM, "--xla_cpu_use_fusion_emitters=false")
 
 
-def with_fast_compile(env: dict, flags: tuple[str, ...] = COMMANDS) -> dict:
-    """`env` (a subprocess environment) with `flags` added to its XLA_FLAGS (a flag already
-    given there wins)."""
+def with_fast_compile(env: dict, flags: tuple[str, ...] = FAST_COMPILE) -> dict:
+    """`env` (a subprocess environment) with `flags` added to its XLA_FLAGS."""
     given = env.get("XLA_FLAGS", "")
     missing = [flag for flag in flags if flag.split("=")[0] not in given]
     env["XLA_FLAGS"] = " ".join([*missing, given]).strip()

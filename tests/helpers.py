@@ -119,7 +119,7 @@ def train_losses(cfg: Config, steps: int, devices=None) -> tuple[np.ndarray, dic
 
 def cli_env(env_extra: dict | None = None) -> dict:
     """The test process's environment without its 8 forced devices, plus `env_extra`, and
-    compile_flags.COMMANDS."""
+    compile_flags.FAST_COMPILE."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith(
         SCHEDULER_VARIABLES)}
     env.update(env_extra or {})

@@ -10,7 +10,7 @@ import sys
 import jax
 import pytest
 
-from compile_flags import FAST_COMPILE, with_fast_compile
+from compile_flags import with_fast_compile
 from helpers import ONE_STACK, REPO, TINY, compose_config, mesh_arg, run_cli
 from tunix_train.training import state as state_lib
 from tunix_train.training.setup import Setup
@@ -21,7 +21,7 @@ MODEL = [*ONE_STACK, mesh_arg(4, 2), "training.micro_batch_size=2"]
 
 def run_plan(args, cwd):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    with_fast_compile(env, FAST_COMPILE)  # it only compiles: O0, as the workers
+    with_fast_compile(env)
     return subprocess.run([sys.executable, "-m", "tunix_train.plan", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from compile_flags import COMMANDS, SAME_PROGRAM, with_fast_compile
+from compile_flags import FAST_COMPILE, SAME_PROGRAM, with_fast_compile
 
 # A scheduler's variables (the suite run inside a SLURM allocation, say) would make the commands
 # the tests start tasks of that job (tunix_train/parallel/distributed.py): they are left out.
@@ -100,7 +100,7 @@ class Typed:
         # compiles as a user's does but for LLVM's optimisation: the memory figures it prints
         # (XLA's analysis) are the ones the page shows.
         planner = "tunix_train.plan" in command
-        return with_fast_compile(env, SAME_PROGRAM if planner else COMMANDS)
+        return with_fast_compile(env, SAME_PROGRAM if planner else FAST_COMPILE)
 
     def line(self, command: str, append: list[str] | tuple = ()) -> str:
         return " ".join([command, *map(shlex.quote, append)])
