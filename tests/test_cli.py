@@ -78,7 +78,7 @@ def test_tensorboard_is_written_without_importing_what_tensorboardx_would_not_us
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
 
-def test_every_entry_point_collects_garbage_less_often_before_its_work(repo, tmp_path):
+def test_every_entry_point_collects_garbage_less_often_before_its_work(repo):
     """Each command starts with tunix_train/gc_policy.py's thresholds and its imports frozen
     out of full collections: run here as `__main__` with a bad argument, each exits before any
     work, the policy already set (CPython's defaults restored before each)."""
