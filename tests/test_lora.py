@@ -4,6 +4,8 @@ gives the one-device losses, resume is bitwise, a checkpoint holds the adapters 
 knows its base, and the exported adapter is the one `peft` loads onto transformers' model."""
 
 import json
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +50,17 @@ def test_the_frozen_base_is_stored_in_the_compute_dtype_or_quantized():
                              mixed_precision="bf16", lora=cfg.lora)
     stored = {jnp.dtype(leaf.dtype).name for leaf in jax.tree.leaves(nf4.frozen.abstract)}
     assert stored == {"bfloat16", "uint4"}  # embedding, norms | codes (+ bf16 scales)
+
+
+def test_qwix_is_imported_only_once_a_weight_is_quantized():
+    """Every parameter tree passes through `cast` and `dequantized`; without a quantized base
+    they must not import qwix (0.15 s of every run's start). A fresh process: a worker may have
+    imported it already."""
+    code = ("import sys, jax.numpy as jnp; from tunix_train.models import quantization as q; "
+            "q.dequantized(q.cast({'w': jnp.ones((64, 2))}, jnp.bfloat16)); "
+            "assert 'qwix' not in sys.modules, 'a plain tree imported qwix'; "
+            "assert q.is_qarray(q.quantize(jnp.ones((64, 2)), 'nf4', 0, jnp.float32))")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 # ---------------------------------------------------------------------------------------------
