@@ -68,10 +68,17 @@ def reference(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("fsdp,tp", [(4, 1), (2, 2)])
 def test_two_processes_reproduce_the_single_process_losses(tmp_path, reference, fsdp, tp):
-    proc = launch([*ONE_STACK, *STEPS, mesh_arg(fsdp, tp)], tmp_path, devices_env(2))
+    """…and compile without JAX's persistent cache, whose keys differ between CPU processes
+    (process 0 alone would load what the others compile: a Gloo timeout when that is over
+    30 s, parallel/distributed.py). Nothing is written to the cache the job was given."""
+    cache = tmp_path / "jax-cache"
+    proc = launch([*ONE_STACK, *STEPS, mesh_arg(fsdp, tp)], tmp_path,
+                  {**devices_env(2), "JAX_COMPILATION_CACHE_DIR": str(cache)})
     output, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, output[-3000:]
     assert "[rank 1]" in output
+    assert f"persistent compilation cache ({cache}) off" in output
+    assert not list(cache.glob("*"))
     run_dir = only_run_dir(tmp_path)  # one directory for the whole job
     assert len(list(run_dir.rglob("metrics.jsonl"))) == 1
     np.testing.assert_allclose(losses(run_dir), reference[(fsdp, tp)], rtol=1e-5)

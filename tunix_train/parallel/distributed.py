@@ -37,6 +37,7 @@ from typing import Mapping, Sequence
 import jax
 import numpy as np
 
+from tunix_train import backend
 from tunix_train.config import ConfigError, DistributedConfig
 from tunix_train.parallel.launcher import LAUNCHER_ENV
 from tunix_train.parallel import torchrun
@@ -197,7 +198,29 @@ def initialize(cfg: DistributedConfig) -> Job:
     log.info("process %d of %d (%s); %d local devices of %d: %s", jax.process_index(),
              jax.process_count(), job.describe(), jax.local_device_count(),
              jax.device_count(), jax.devices()[0].device_kind)
+    compile_in_step()
     return job
+
+
+def compile_in_step() -> None:
+    """Turns JAX's persistent compilation cache off in a multi-process CPU job.
+
+    There its keys differ between processes (each hashes its own CPU client's topology) and
+    only process 0 writes entries, so process 0 alone loads a program that the others compile,
+    and reaches the program's first collective that much sooner. Gloo waits 30 s at most for
+    the peers of a collective it has not run before (XLA's GlooKeyValueStore): a compile longer
+    than that (the train step, on a loaded machine) failed the job with `Gloo context
+    initialization failed`. Without the cache every process compiles, and all start together.
+    """
+    if (jax.process_count() == 1 or not backend.is_cpu()
+            or not jax.config.jax_enable_compilation_cache
+            or not jax.config.jax_compilation_cache_dir):
+        return
+    jax.config.update("jax_enable_compilation_cache", False)
+    if jax.process_index() == 0:
+        log.info("persistent compilation cache (%s) off for this multi-process CPU job: its "
+                 "keys differ between processes, so process 0 would load programs that the "
+                 "others compile, and run ahead of them", jax.config.jax_compilation_cache_dir)
 
 
 def check_coordinator_port(job: Job) -> None:
