@@ -1,12 +1,15 @@
 """Environment discovery, the homogeneity check and the cross-process mesh layout (no processes)."""
 
 import logging
+import signal
+import time
 from collections import namedtuple
 
 import pytest
 
 from tunix_train.parallel import distributed
 from tunix_train.parallel import mesh as mesh_lib
+from tunix_train.parallel import torchrun
 from tunix_train.config import ConfigError, DistributedConfig
 
 FakeDevice = namedtuple("FakeDevice", "id process_index device_kind")
@@ -221,3 +224,22 @@ def test_a_cluster_task_uses_the_gpus_slurm_gave_it(visible, per_task, local, ra
                                                else {})}
     assert distributed.cluster_device_ids(job, env) == want
     assert distributed._initialize_args(DistributedConfig(), job, env)["local_device_ids"] == want
+
+
+@pytest.mark.parametrize("consequence_ends_at", [10.2, 10.99])
+def test_torchruns_root_cause_is_the_killed_process_not_the_one_it_stopped(
+        monkeypatch, tmp_path, consequence_ends_at):
+    """Rank 1 is SIGKILLed; rank 0 sees the lost peer, records its sentence and ends; torchrun's
+    agent sees both gone at its next poll, which can fall in the next whole second and dates
+    rank 1's failure (it wrote no file). torch's own summary must still name rank 1."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    error_file = tmp_path / "rank0_error.json"
+    env = {"TORCHELASTIC_ERROR_FILE": str(error_file), torchrun.RUN_ID_ENV: "job"}
+    monkeypatch.setattr(time, "time", lambda: consequence_ends_at)
+    torchrun.record_error("a peer is gone; this process stops too", consequence=True, env=env)
+    monkeypatch.setattr(time, "time", lambda: consequence_ends_at + 0.1)  # the agent's poll
+    failures = {0: ProcessFailure(0, 100, 4, str(error_file)),
+                1: ProcessFailure(1, 101, -signal.SIGKILL, str(tmp_path / "none.json"))}
+    rank, failure = ChildFailedError("run_training.py", failures).get_first_failure()
+    assert (rank, failure.signal_name()) == (1, "SIGKILL")

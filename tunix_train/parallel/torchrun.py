@@ -17,6 +17,7 @@ from typing import Mapping
 
 RUN_ID_ENV = "TORCHELASTIC_RUN_ID"  # set by torchrun for every process it starts
 COORDINATOR_PORT_OFFSET = 2  # MASTER_PORT: torchrun's store; + 1: the run-dir handshake
+CONSEQUENCE_DELAY_S = 2  # see record_error
 
 
 def started_by_torchrun(env: Mapping[str, str] = os.environ) -> bool:
@@ -26,15 +27,17 @@ def started_by_torchrun(env: Mapping[str, str] = os.environ) -> bool:
 def record_error(sentence: str, consequence: bool = False,
                  env: Mapping[str, str] = os.environ) -> None:
     """Hands `sentence` to torchrun's failure summary (nothing outside torchrun). Its Root Cause
-    is the failure with the earliest timestamp, in whole seconds, the lowest rank on a tie: a
-    `consequence` (this process stopped because another failed) is dated a second later, so
-    that the process that failed first is named even when both end within one second."""
+    is the failure with the earliest timestamp, in whole seconds, the lowest rank on a tie; a
+    process killed by a signal writes no file and is dated when torchrun's agent sees it gone,
+    which can be after a `consequence` (this process stopped because another failed) has ended
+    and in the next second. So a consequence is dated two seconds later: the process that failed
+    first is named unless the agent sees it more than a second after the consequence ended."""
     path = env.get("TORCHELASTIC_ERROR_FILE")
     if not path or not started_by_torchrun(env):
         return
     try:
         with open(path, "w") as file:
             json.dump({"message": sentence,
-                       "timestamp": str(int(time.time()) + int(consequence))}, file)
+                       "timestamp": str(int(time.time()) + CONSEQUENCE_DELAY_S * consequence)}, file)
     except OSError:
         pass  # the summary then says less; the sentence is on stderr and in train.log anyway
