@@ -36,8 +36,8 @@ def record_error(sentence: str, consequence: bool = False,
     if not path or not started_by_torchrun(env):
         return
     try:
+        stamp = int(time.time()) + (CONSEQUENCE_DELAY_S if consequence else 0)
         with open(path, "w") as file:
-            json.dump({"message": sentence,
-                       "timestamp": str(int(time.time()) + CONSEQUENCE_DELAY_S * consequence)}, file)
+            json.dump({"message": sentence, "timestamp": str(stamp)}, file)
     except OSError:
         pass  # the summary then says less; the sentence is on stderr and in train.log anyway
