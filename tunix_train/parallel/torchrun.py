@@ -35,8 +35,8 @@ def record_error(sentence: str, consequence: bool = False,
     path = env.get("TORCHELASTIC_ERROR_FILE")
     if not path or not started_by_torchrun(env):
         return
+    stamp = int(time.time()) + (CONSEQUENCE_DELAY_S if consequence else 0)
     try:
-        stamp = int(time.time()) + (CONSEQUENCE_DELAY_S if consequence else 0)
         with open(path, "w") as file:
             json.dump({"message": sentence, "timestamp": str(stamp)}, file)
     except OSError:
