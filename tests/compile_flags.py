@@ -17,6 +17,10 @@ is compiled alike on both sides; numerics agree within float tolerance.
   9.4 worker-minutes with it, 13.1 without). It changes XLA's CPU memory analysis (the
   fusions' temporaries), so a planner command a page shows (tests/typed_docs.py) runs without
   it: the figures it prints are the ones a user's prints.
+
+Neither pays where a command runs many steps: a page's full-length example (docs/grpo.md's 48
+GRPO steps, the checkpointing page's 600) runs as a user's does, with XLA's defaults
+(`Typed.run(..., many_steps=True)`).
 """
 
 SAME_PROGRAM = ("--xla_backend_optimization_level=0",)

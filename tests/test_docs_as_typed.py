@@ -62,7 +62,7 @@ def trained(typed) -> Typed:
     """The checkpointing page's "preempted or crashed" command: the run the pages use."""
     [same_dir, _, _] = page_commands("docs/checkpointing.md", "checkpoint.")[-3:]
     assert f"hydra.run.dir={RUN}" in same_dir
-    ok(typed.run(same_dir, *CPU_SCALE, *SMALL_BATCH))
+    ok(typed.run(same_dir, *CPU_SCALE, *SMALL_BATCH, many_steps=True))
     return typed
 
 
@@ -74,13 +74,14 @@ def test_checkpointing_page_as_typed(trained):
     again = ok(trained.run(same_dir, *CPU_SCALE, *SMALL_BATCH))
     assert "is already complete: its checkpoint of step 600" in again
     # From step 400 of that run, in a run dir of its own.
-    output = ok(trained.run(resume, *CPU_SCALE, *SMALL_BATCH))
+    output = ok(trained.run(resume, *CPU_SCALE, *SMALL_BATCH, many_steps=True))
     assert "resuming from step 400" in output and "finished step 600 of 600" in output
     # Parameters only.
-    output = ok(trained.run(init, *CPU_SCALE, *SMALL_BATCH))
+    output = ok(trained.run(init, *CPU_SCALE, *SMALL_BATCH, many_steps=True))
     assert f"parameters from {run}" in output and "finished step 200 of 200" in output
     # Every checkpoint setting of the first command, at its own step counts.
-    output = ok(trained.run(every, *CPU_SCALE, *SMALL_BATCH, "hydra.run.dir=outputs/every"))
+    output = ok(trained.run(every, *CPU_SCALE, *SMALL_BATCH, "hydra.run.dir=outputs/every",
+                             many_steps=True))
     assert sorted(p.name for p in (trained.root / "outputs/every/checkpoints").iterdir()) == [
         "200", "400", "600"]
 

@@ -18,11 +18,11 @@ def test_dpo_page_as_typed(typed):
     while a control with optimizer.lr=0 stays at the reference (margin 0, no pair preferred)."""
     [demo, train] = page_commands("docs/dpo.md", "python")[:2]
     ok(typed.run(demo))
-    output = ok(typed.run(train, *TINY_MODEL))
+    output = ok(typed.run(train, *TINY_MODEL, many_steps=True))
     assert "validation loss before training 0.6931" in output
-    control = "outputs/dpo-laptop-lr0"
+    control = "outputs/dpo-laptop-lr0"  # the same programs as the run (many_steps), cached
     ok(typed.run(train, *TINY_MODEL, "optimizer.lr=0", "training.steps=2",
-                 f"hydra.run.dir={control}"))
+                 f"hydra.run.dir={control}", many_steps=True))
 
     def held_out(run_dir: str, key: str) -> dict[int, float]:
         lines = (typed.root / run_dir / "metrics.jsonl").read_text().splitlines()

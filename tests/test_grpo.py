@@ -267,7 +267,7 @@ def laptop(tmp_path_factory):
     demo_command, sft_command, grpo_command = page_commands("docs/grpo.md")[:3]
     typed = Typed(tmp_path_factory.mktemp("typed") / "tunix_train")
     ok(typed.run(demo_command))
-    ok(typed.run(sft_command))
+    ok(typed.run(sft_command, many_steps=True))
     return typed, grpo_command
 
 
@@ -300,7 +300,7 @@ def test_the_laptop_example_learns_and_beats_a_control_run_with_lr_0(laptop):
         run_dir = "outputs/grpo-control" if control else "outputs/sums-grpo"
         outputs[control] = ok(typed.run(grpo_command, *(
             [f"training.steps={window}", "optimizer.lr=0", f"hydra.run.dir={run_dir}"]
-            if control else [])))
+            if control else []), many_steps=True))
         assert "reward" in outputs[control]  # the logged line shows it
         rewards[control] = np.array(list(metrics(typed.root / run_dir, "reward_mean").values()))
     # The figures the page shows are the ones its commands print.
@@ -397,9 +397,10 @@ def test_two_processes_through_the_launcher(laptop):
 
 
 def test_grpo_on_sequences_split_over_cp_follows_the_run_without_cp(sums, tmp_path):
-    """fsdp 4 × tp 2 against fsdp 2 × cp 2 × tp 2 (ZeRO over fsdp × cp, 2 micro-batches), 3 steps of the whole
-    loop: the same rollouts (cp devices decode their group's rows whole), the reference scored
-    and the policy updated on split sequences, so the same rewards, losses and KL."""
+    """fsdp 4 × tp 2 against fsdp 2 × cp 2 × tp 2 (ZeRO over fsdp × cp, 2 micro-batches), 3
+    steps of the whole loop: the same rollouts (cp devices decode their group's rows whole), the
+    reference scored and the policy updated on split sequences, so the same rewards, losses and
+    KL."""
     from tunix_train.grpo import trainer as grpo_trainer
 
     def run(name: str, mesh: str) -> dict[str, np.ndarray]:

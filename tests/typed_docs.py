@@ -87,7 +87,7 @@ class Typed:
             else:
                 shutil.copy2(source, target)
 
-    def env(self, extra: dict | None = None, command: str = "") -> dict:
+    def env(self, extra: dict | None = None, command: str = "", many_steps: bool = False) -> dict:
         """The user's shell: `python` is this interpreter; no simulated devices unless the
         page sets them (conftest's 8 are the test process's own)."""
         env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")
@@ -100,17 +100,25 @@ class Typed:
         # compiles as a user's does but for LLVM's optimisation: the memory figures it prints
         # (XLA's analysis) are the ones the page shows.
         planner = "tunix_train.plan" in command
+        if many_steps:
+            return env
         return with_fast_compile(env, SAME_PROGRAM if planner else FAST_COMPILE)
 
     def line(self, command: str, append: list[str] | tuple = ()) -> str:
         return " ".join([command, *map(shlex.quote, append)])
 
-    def run(self, command: str, *append: str, env: dict | None = None,
-            timeout: int = 900) -> subprocess.CompletedProcess:
-        """`command` exactly as shown, then `append`, from the working copy's root."""
+    def run(self, command: str, *append: str, env: dict | None = None, timeout: int = 900,
+            many_steps: bool = False) -> subprocess.CompletedProcess:
+        """`command` exactly as shown, then `append`, from the working copy's root.
+
+        `many_steps`: a run of a page's full step count (hundreds of steps, or tens of a
+        laptop-sized model), whose steps cost more than its compile: it compiles with XLA's
+        defaults, as a user's does, not compile_flags.FAST_COMPILE, whose programs run 2-3x
+        slower (2026-11-29, 2-core VM: docs/grpo.md's GRPO command 0.23 s/step against 0.65;
+        its test and the checkpointing page's, cold 235 s against 232, warm 142 against 219)."""
         return subprocess.run(["bash", "-c", self.line(command, append)], cwd=self.root,
-                              env=self.env(env, command), capture_output=True, text=True,
-                              timeout=timeout)
+                              env=self.env(env, command, many_steps), capture_output=True,
+                              text=True, timeout=timeout)
 
     def start(self, command: str, *append: str, env: dict | None = None) -> subprocess.Popen:
         """The same, running; stdout and stderr as one stream of lines."""
