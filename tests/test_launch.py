@@ -68,20 +68,26 @@ def reference(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("fsdp,tp", [(4, 1), (2, 2)])
 def test_two_processes_reproduce_the_single_process_losses(tmp_path, reference, fsdp, tp):
-    """…and compile without JAX's persistent cache, whose keys differ between CPU processes
-    (process 0 alone would load what the others compile: a Gloo timeout when that is over
-    30 s, parallel/distributed.py). Nothing is written to the cache the job was given."""
-    cache = tmp_path / "jax-cache"
-    proc = launch([*ONE_STACK, *STEPS, mesh_arg(fsdp, tp)], tmp_path,
-                  {**devices_env(2), "JAX_COMPILATION_CACHE_DIR": str(cache)})
+    """…and share JAX's persistent cache: a program's key is the same in every CPU process
+    (parallel/distributed.py), so the job started again on the cache the first one filled
+    loads the train step in both processes (process 0 alone would load it and run ahead: a
+    Gloo timeout when the others' compile takes over 30 s), with the same losses."""
+    env = {**devices_env(2), "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache")}
+    proc = launch([*ONE_STACK, *STEPS, mesh_arg(fsdp, tp)], tmp_path, env)
     output, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, output[-3000:]
     assert "[rank 1]" in output
-    assert f"persistent compilation cache ({cache}) off" in output
-    assert not list(cache.glob("*"))
     run_dir = only_run_dir(tmp_path)  # one directory for the whole job
     assert len(list(run_dir.rglob("metrics.jsonl"))) == 1
     np.testing.assert_allclose(losses(run_dir), reference[(fsdp, tp)], rtol=1e-5)
+    again = launch([*ONE_STACK, *STEPS, mesh_arg(fsdp, tp), "hydra.run.dir=again"], tmp_path,
+                   {**env, "JAX_LOG_COMPILES": "1"})
+    output, _ = again.communicate(timeout=600)
+    assert again.returncode == 0, output[-3000:]
+    loaded = [line for line in output.splitlines()
+              if "Persistent compilation cache hit for 'jit_step'" in line]
+    assert len(loaded) == 2 and any(line.startswith("[rank 1]") for line in loaded), loaded
+    np.testing.assert_allclose(losses(tmp_path / "again"), reference[(fsdp, tp)], rtol=1e-5)
 
 
 def test_pipeline_stages_in_two_processes_reproduce_the_run_without_pp(tmp_path):

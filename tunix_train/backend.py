@@ -6,7 +6,7 @@ reductions in fp32, models/layers.py transposes a projection's operand itself,
 models/partitioning.py keeps one-device axes manual), cuDNN and the Pallas kernels need a GPU
 (models/attention.py, models/flash.py), `training.mixed_precision=auto` is fp32 on a CPU
 (parallel/layout.py), the CPU client creates 4-bit arrays its AOT executables refuse
-(training/setup.py), a multi-process CPU job compiles without JAX's persistent cache
+(training/setup.py), a multi-process CPU job keys JAX's persistent cache by its devices' kinds
 (parallel/distributed.py), and the start-up lines name the platform and advise CUDA's wheels on a
 machine whose GPUs JAX does not use (training/run.py, parallel/mesh.py). Asking here, and only
 here (tests/test_architecture.py), keeps that list short and findable: every difference between

@@ -198,29 +198,40 @@ def initialize(cfg: DistributedConfig) -> Job:
     log.info("process %d of %d (%s); %d local devices of %d: %s", jax.process_index(),
              jax.process_count(), job.describe(), jax.local_device_count(),
              jax.device_count(), jax.devices()[0].device_kind)
-    compile_in_step()
+    share_compilation_cache()
     return job
 
 
-def compile_in_step() -> None:
-    """Turns JAX's persistent compilation cache off in a multi-process CPU job.
+def share_compilation_cache() -> None:
+    """Lets every process of a multi-process CPU job read the programs JAX's persistent
+    compilation cache holds.
 
-    There its keys differ between processes (each hashes its own CPU client's topology) and
-    only process 0 writes entries, so process 0 alone loads a program that the others compile,
-    and reaches the program's first collective that much sooner. Gloo waits 30 s at most for
-    the peers of a collective it has not run before (XLA's GlooKeyValueStore): a compile longer
-    than that (the train step, on a loaded machine) failed the job with `Gloo context
-    initialization failed`. Without the cache every process compiles, and all start together.
+    JAX keys a program by, among others, its devices' topology, which a CPU client describes
+    from its own process: in each process the same program gets another key, and only process 0
+    writes entries, so process 0 alone would load a program that the others compile, and
+    reach its first collective that much sooner. Gloo waits 30 s at most for the peers of a
+    collective it has not run before (XLA's GlooKeyValueStore): a compile longer than that
+    (the train step, on a loaded machine) failed the job with `Gloo context initialization
+    failed`. Keyed by its devices' kinds instead, as JAX keys a program for a backend that has
+    no topology to describe (the device assignment, every device's global id, stays in the
+    key), a program has one key in every process: all load it, or all compile it. A JAX
+    without that hook gets the cache turned off for the job, and every process compiles.
     """
     if (jax.process_count() == 1 or not backend.is_cpu()
             or not jax.config.jax_enable_compilation_cache
             or not jax.config.jax_compilation_cache_dir):
         return
-    jax.config.update("jax_enable_compilation_cache", False)
-    if jax.process_index() == 0:
-        log.info("persistent compilation cache (%s) off for this multi-process CPU job: its "
-                 "keys differ between processes, so process 0 would load programs that the "
-                 "others compile, and run ahead of them", jax.config.jax_compilation_cache_dir)
+    try:
+        from jax._src import cache_key
+        by_kinds = cache_key._hash_devices
+        cache_key._hash_accelerator_config = by_kinds
+    except (ImportError, AttributeError):
+        jax.config.update("jax_enable_compilation_cache", False)
+        if jax.process_index() == 0:
+            log.info("persistent compilation cache (%s) off for this multi-process CPU job: "
+                     "its keys would differ between processes, so process 0 would load "
+                     "programs that the others compile, and run ahead of them",
+                     jax.config.jax_compilation_cache_dir)
 
 
 def check_coordinator_port(job: Job) -> None:
