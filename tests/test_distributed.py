@@ -243,3 +243,27 @@ def test_torchruns_root_cause_is_the_killed_process_not_the_one_it_stopped(
                 1: ProcessFailure(1, 101, -signal.SIGKILL, str(tmp_path / "none.json"))}
     rank, failure = ChildFailedError("run_training.py", failures).get_first_failure()
     assert (rank, failure.signal_name()) == (1, "SIGKILL")
+
+
+@pytest.mark.parametrize("hook", [True, False], ids=["jax_has_the_hook", "jax_lacks_it"])
+def test_a_multi_process_cpu_job_keys_the_cache_by_device_kinds_or_goes_without(
+        monkeypatch, hook):
+    """share_compilation_cache in a 2-process CPU job: JAX's key hashes the devices' kinds
+    instead of the topology each process describes (tests/test_launch.py: both processes load
+    the train step); where JAX has no such function to replace, the cache is off for the job."""
+    import jax
+    from jax._src import cache_key
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    if hook:
+        monkeypatch.setattr(cache_key, "_hash_accelerator_config", None)
+    else:
+        monkeypatch.delattr(cache_key, "_hash_accelerator_config")
+    assert jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir
+    try:
+        distributed.share_compilation_cache()
+        assert jax.config.jax_enable_compilation_cache == hook
+        assert getattr(cache_key, "_hash_accelerator_config", None) is (
+            cache_key._hash_devices if hook else None)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)

@@ -223,8 +223,8 @@ def share_compilation_cache() -> None:
         return
     try:
         from jax._src import cache_key
+        cache_key._hash_accelerator_config  # noqa: B018 - replaced only where JAX has it
         by_kinds = cache_key._hash_devices
-        cache_key._hash_accelerator_config = by_kinds
     except (ImportError, AttributeError):
         jax.config.update("jax_enable_compilation_cache", False)
         if jax.process_index() == 0:
@@ -232,6 +232,8 @@ def share_compilation_cache() -> None:
                      "its keys would differ between processes, so process 0 would load "
                      "programs that the others compile, and run ahead of them",
                      jax.config.jax_compilation_cache_dir)
+        return
+    cache_key._hash_accelerator_config = by_kinds
 
 
 def check_coordinator_port(job: Job) -> None:
