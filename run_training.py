@@ -2,12 +2,16 @@
 
 import sys
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from tunix_train.parallel import torchrun
 
-from tunix_train import cli, gc_policy
-from tunix_train.config import CONFIG_DIR, register_configs
+torchrun.say_why_when_stopped()  # before the imports below, seconds in which torchrun may stop us
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from tunix_train import cli, gc_policy  # noqa: E402
+from tunix_train.config import CONFIG_DIR, register_configs  # noqa: E402
 
 register_configs()
 

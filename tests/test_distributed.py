@@ -245,6 +245,18 @@ def test_torchruns_root_cause_is_the_killed_process_not_the_one_it_stopped(
     assert (rank, failure.signal_name()) == (1, "SIGKILL")
 
 
+@pytest.mark.parametrize("world,said", [("2", torchrun.STOPPED), ("1", "")])
+def test_a_wait_under_torchrun_reads_a_sigterm_as_a_failed_peer(monkeypatch, world, said):
+    """Every wait on peers (the run-dir handshake, the join, the end) of a torchrun job with
+    peers ends on SIGTERM with torchrun.STOPPED (tests/test_launch.py: before any wait)."""
+    from tunix_train.parallel.waiting import Waiting
+
+    monkeypatch.setenv(torchrun.RUN_ID_ENV, "job")
+    monkeypatch.setenv("WORLD_SIZE", world)
+    assert Waiting("process 0", None, 5).on_signal == said
+    assert Waiting("process 0", None, 5, on_signal="told").on_signal == "told"
+
+
 @pytest.mark.parametrize("hook", [True, False], ids=["jax_has_the_hook", "jax_lacks_it"])
 def test_a_multi_process_cpu_job_keys_the_cache_by_device_kinds_or_goes_without(
         monkeypatch, hook):

@@ -217,6 +217,34 @@ def test_sigterm_ends_a_process_waiting_for_its_peers_at_once(tmp_path):
     assert "SIGTERM received while waiting for process 0 (RANK=0)" in proc.stdout.read()
 
 
+def test_a_torchrun_process_stopped_while_it_imports_says_why(tmp_path):
+    """torchrun stops a job's other processes at once when one fails; one still importing (the
+    first seconds) ends with the sentence too, not silently. SIGTERM is sent as soon as the
+    process catches it (its /proc status), seconds before any wait on its peers."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    env.update(TORCHELASTIC_RUN_ID="test", RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, str(REPO / "run_training.py"), *ONE_STACK],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    sigterm_bit = 1 << (signal.SIGTERM - 1)
+    while proc.poll() is None and not int(_status(proc.pid, "SigCgt"), 16) & sigterm_bit:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    assert output.strip() == ("error: SIGTERM received while starting; exiting: torchrun stops "
+                              "every process of a job when one of them fails; that one's error "
+                              "is above, and in torchrun's summary under Root Cause.")
+
+
+def _status(pid: int, field: str) -> str:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return line.split()[1]
+    raise KeyError(field)
+
+
 def test_a_missing_node_launcher_is_a_clear_timeout(tmp_path):
     env = {**devices_env(1), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "RANK": "0", "WORLD_SIZE": "2"}

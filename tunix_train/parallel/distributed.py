@@ -180,16 +180,12 @@ def initialize(cfg: DistributedConfig) -> Job:
     if job.source in SCHEDULED:
         hint = ("check that every task of the job runs the same command, or raise "
                 "distributed.init_timeout_s")
-    stopped = ""
-    if job.source == "torchrun":
-        stopped = ("torchrun stops every process of a job when one of them fails; that one's "
-                   "error is above, and in torchrun's summary under Root Cause")
     if job.process_id == 0 and job.source not in CLUSTERS and job.coordinator:
         check_coordinator_port(job)
     # keep_sigterm: once joined, JAX's preemption notifier owns SIGTERM (training/preemption.py).
     with Waiting(f"the {job.num_processes} processes of the job to join at {where} (this is "
                  f"process {job.process_id})", cfg.init_timeout_s, INIT_TIMEOUT_EXIT_CODE, hint,
-                 keep_sigterm=True, on_signal=stopped):
+                 keep_sigterm=True):
         jax.distributed.initialize(**_initialize_args(cfg, job))
     # JAX's coordination service aborts every process of a job (SIGABRT) when one of them
     # fails or misses a barrier: each then prints where its threads were (Python's stacks).
