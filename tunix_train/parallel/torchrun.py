@@ -39,7 +39,8 @@ def why_stopped(env: Mapping[str, str] = os.environ) -> str:
 def say_why_when_stopped(env: Mapping[str, str] = os.environ) -> None:
     """run_training.py's first step: a process of a torchrun job stopped before it waits on its
     peers (most often still importing, when another one failed at once) ends with `STOPPED` on
-    stderr instead of silently. The first wait (`parallel/waiting.py`) replaces this handler."""
+    stderr instead of silently. A wait on peers (`parallel/waiting.py`) has its own handler
+    while it waits; the join leaves SIGTERM to JAX's preemption notifier."""
     if not why_stopped(env):
         return
 
