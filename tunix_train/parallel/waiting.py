@@ -37,13 +37,13 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class Waiting:
     def __init__(self, what: Callable[[], str] | str, timeout_s: float | None, exit_code: int,
                  on_timeout: str = "", every_s: float = 15.0, keep_sigterm: bool = False,
-                 first_s: float = 5.0, on_signal: str | None = None):
+                 first_s: float = 5.0):
         self._what = what if callable(what) else (lambda: what)
         self.timeout_s, self.exit_code, self.every_s = timeout_s, exit_code, every_s
         self.first_s = min(first_s, every_s)
         self.on_timeout, self.keep_sigterm = on_timeout, keep_sigterm
         # What a signal while waiting most likely means; under torchrun, that a peer failed.
-        self.on_signal = torchrun.why_stopped() if on_signal is None else on_signal
+        self.on_signal = torchrun.why_stopped()
         self._done = threading.Event()
         self._previous: dict[int, object] = {}
         self._pipe: tuple[int, int] | None = None
