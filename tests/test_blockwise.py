@@ -174,10 +174,10 @@ def assert_bf16_as_close_as_dense(ours, length: int, head_dim: int, scale: float
     against fp32 dense attention."""
     q, k, v, weights, segments = inputs(length=length, head_dim=head_dim)
 
-    def grads(fn, dtype):
+    def grads(fn, dtype):  # one program each, as in a train step, not op by op
         cast = [a.astype(dtype) for a in (q, k, v)]
-        return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * weights),
-                        argnums=(0, 1, 2))(*cast)
+        return jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * weights),
+                                argnums=(0, 1, 2)))(*cast)
 
     def reference(q, k, v):
         return dense(q, k, v, segments, window, scale)

@@ -180,7 +180,8 @@ def test_each_familys_loss_and_gradients_with_the_kernels_equal_dense(family, he
         cfg = compose_config(*family_tiny(family, f"model.head_dim={head_dim}",
                                           f"model.attention_impl={impl}")).model
         graphdef, params = nnx.split(families.build(cfg, nnx.Rngs(0)))
-        results.append(jax.value_and_grad(lambda p: loss_sums(graphdef, p, batch)[0])(params))
+        results.append(jax.jit(jax.value_and_grad(  # one program, not op by op
+            lambda p: loss_sums(graphdef, p, batch)[0]))(params))
     (dense_loss, dense_grads), (loss, grads) = results
     np.testing.assert_allclose(loss, dense_loss, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(dense_grads)):

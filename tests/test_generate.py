@@ -8,12 +8,16 @@ from flax import nnx
 
 from helpers import TINY, compose_config, mesh_arg
 from tunix_train.models import families
-from tunix_train.inference.sampler import Sampler, SamplingOptions, left_pad, sample, _stop_at_eos
+from tunix_train.inference import sampler as sampler_lib
+from tunix_train.inference.sampler import Sampler, SamplingOptions, left_pad, _stop_at_eos
 from tunix_train.training.setup import Setup
 
 NEW = 24
 # Longer than the window (16), shorter, and a single token: ragged rows of one batch.
 PROMPTS = [list(range(40, 61)), [7, 100, 33, 2, 9], [200]]
+
+# One program, as inside generation's loop, not op by op.
+sample = jax.jit(sampler_lib.sample, static_argnums=2)
 
 
 def varied(params, seed=1):

@@ -33,12 +33,15 @@ def test_chunked_losses_and_gradients_equal_the_whole_logits(count, shards):
         return jnp.sum(fn(x, table) * weights)
 
     chunks = VocabChunks(count, shards)
-    got = jax.value_and_grad(lambda x, t: loss(
-        lambda a, b: token_losses(a, b, targets, chunks), x, t), argnums=(0, 1))(x, table)
-    want = jax.value_and_grad(lambda x, t: loss(
-        lambda a, b: reference_losses(a, b, targets), x, t), argnums=(0, 1))(x, table)
-    np.testing.assert_allclose(token_losses(x, table, targets, chunks),
-                               reference_losses(x, table, targets), rtol=1e-5, atol=1e-6)
+    ours = lambda a, b: token_losses(a, b, targets, chunks)  # noqa: E731
+    theirs = lambda a, b: reference_losses(a, b, targets)  # noqa: E731
+
+    def value_and_grads(fn):  # one program, as in a train step, not op by op
+        return jax.jit(jax.value_and_grad(lambda x, t: loss(fn, x, t), argnums=(0, 1)))(x, table)
+
+    got, want = value_and_grads(ours), value_and_grads(theirs)
+    np.testing.assert_allclose(jax.jit(ours)(x, table), jax.jit(theirs)(x, table), rtol=1e-5,
+                               atol=1e-6)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     for g, w in zip(got[1], want[1]):  # 1e-5 relative to the gradient's scale
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(w))))

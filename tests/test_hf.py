@@ -50,7 +50,8 @@ def imported(path, fsdp=1, tp=1, *extra):
 
 
 def our_logits(setup, params, tokens):
-    return np.asarray(nnx.merge(setup.params.graphdef, params)(jax.numpy.asarray(tokens)))
+    forward = jax.jit(lambda params, tokens: nnx.merge(setup.params.graphdef, params)(tokens))
+    return np.asarray(forward(params, jax.numpy.asarray(tokens)))  # one program, not op by op
 
 
 @pytest.fixture(scope="module")

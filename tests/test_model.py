@@ -20,6 +20,13 @@ def _model(*overrides, remat="none"):
     return cfg, families.build(cfg, nnx.Rngs(0), remat)
 
 
+def _forward(model):
+    """`model`'s forward pass as one program (op by op, each operation would compile alone)."""
+    graphdef, state = nnx.split(model)
+    run = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))
+    return lambda tokens: run(state, tokens)
+
+
 def _tokens(length=48, seed=0):
     return jax.random.randint(jax.random.key(seed), (2, length), 3, 259)
 
@@ -48,7 +55,7 @@ def test_published_sizes_have_their_parameter_counts(name, expected):
 
 
 def test_causal_future_tokens_do_not_change_past_logits():
-    _, model = _model()
+    model = _forward(_model()[1])
     tokens = _tokens()
     changed = tokens.at[:, 30:].set(5)
     np.testing.assert_allclose(model(tokens)[:, :30], model(changed)[:, :30], atol=1e-6)
@@ -57,12 +64,13 @@ def test_causal_future_tokens_do_not_change_past_logits():
 def test_local_layers_see_only_their_window_global_layers_see_everything():
     # One local layer: position p sees tokens p-15..p (window 16, itself included).
     cfg, local_only = _model("model.num_layers=1")
+    local_only = _forward(local_only)
     tokens = _tokens()
     changed = tokens.at[:, 0].set(7)
     diff = np.abs(np.asarray(local_only(tokens) - local_only(changed))).max(axis=(0, 2))
     assert diff[cfg.sliding_window - 1] > 0 and np.all(diff[cfg.sliding_window:] == 0)
     # One global layer (global_every=1) sees the changed first token from every position.
-    _, global_only = _model("model.num_layers=1", "model.global_every=1")
+    global_only = _forward(_model("model.num_layers=1", "model.global_every=1")[1])
     diff = np.abs(np.asarray(global_only(tokens) - global_only(changed))).max(axis=(0, 2))
     assert np.all(diff > 0)
 
@@ -72,7 +80,7 @@ def test_trailing_local_layers_run_after_the_blocks():
     layout = families.layout(cfg)
     assert (layout.num_blocks, layout.trailing_layers) == (1, 2)
     assert layout.count("local_layers") + layout.count("trailing_layers") == 7
-    assert model(_tokens()).shape == (2, 48, cfg.vocab_size)
+    assert _forward(model)(_tokens()).shape == (2, 48, cfg.vocab_size)
 
 
 def test_untrained_model_predicts_near_uniform_and_trains_from_scratch():
@@ -188,7 +196,8 @@ def test_elementwise_gradients_equal_autodiff_and_keep_only_inputs(ours, plain, 
     inputs = [jax.random.normal(k, s) * 3 for k, s in zip(keys, shapes)]
     inputs[2:] = [jnp.float32(1e-6), jnp.float32(1.0)][:len(inputs[2:])]  # eps, offset
     d_out = jax.random.normal(keys[-1], (2, 6, 16))
-    for a, b in zip(jax.vjp(ours, *inputs)[1](d_out), jax.vjp(plain, *inputs)[1](d_out)):
+    backward = lambda f: jax.jit(lambda *a: jax.vjp(f, *a)[1](d_out))  # noqa: E731 - one program
+    for a, b in zip(backward(ours)(*inputs), backward(plain)(*inputs)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
     # What the backward pass keeps of [2, 6, 16] arrays (a scanned layer stacks each one).

@@ -75,11 +75,17 @@ def test_the_experts_give_transformers_output_and_auxiliary_loss(kind):
     with torch.no_grad():
         theirs = block(torch.from_numpy(x)).numpy()
         logits = torch.from_numpy(x[0]) @ block.gate.weight.T
-    y, routing = ours(jnp.asarray(x[0]))
+
+    @jax.jit  # one program, not op by op
+    def forward(x_TxD):
+        y, routing = ours(x_TxD)
+        aux = moe.losses(moe.statistics(routing))["moe_aux_loss"]  # what training adds
+        return y, routing.experts_TxK, aux
+
+    y, experts, ours_aux = forward(jnp.asarray(x[0]))
     np.testing.assert_allclose(np.asarray(y), theirs[0], rtol=1e-5, atol=1e-6)
-    assert len(np.unique(np.asarray(routing.experts_TxK))) > K  # tokens went to several experts
+    assert len(np.unique(np.asarray(experts))) > K  # tokens went to several experts
     aux = load_balancing_loss_func((logits,), E, K).item()
-    ours_aux = moe.losses(moe.statistics(routing))["moe_aux_loss"]  # what training adds
     np.testing.assert_allclose(float(ours_aux), aux, rtol=1e-6)
 
 
@@ -108,7 +114,7 @@ def test_gradients_equal_the_dense_computation_of_every_expert(matmul):
     probe = jnp.asarray(np.random.default_rng(3).normal(size=(T, D)).astype(np.float32))
     loss = lambda f: lambda x, w: jnp.sum(f(x, w) * probe)  # noqa: E731
     ours = jax.jit(jax.grad(loss(sparse), argnums=(0, 1)))(x, weights)
-    reference = jax.grad(loss(dense), argnums=(0, 1))(x, weights)
+    reference = jax.jit(jax.grad(loss(dense), argnums=(0, 1)))(x, weights)
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(reference)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
     assert float(jnp.abs(ours[1][1]).sum()) > 0  # the experts' weights got gradients
@@ -175,8 +181,16 @@ def test_a_capacity_drops_the_rows_numpy_says_and_a_large_one_none(factor):
     block, ours, weights, normalize = hf_block("qwen3_moe")
     router, gate, up, down = (np.asarray(w, np.float64) for w in weights)
     x = np.random.default_rng(4).normal(size=(T, D)).astype(np.float32)
-    routing = moe.route(jnp.asarray(x), weights[0], K, normalize)
-    experts, gates = np.asarray(routing.experts_TxK), np.asarray(routing.weights_TxK, np.float64)
+
+    @jax.jit  # one program, as in a train step, not op by op
+    def layer(x_TxD):
+        routing = moe.route(x_TxD, weights[0], K, normalize)
+        y = moe.experts_mlp(x_TxD, routing, *weights[1:], GATED["silu"], capacity_factor=factor)
+        dropped = moe.statistics(routing, factor)["dropped"]
+        return routing.experts_TxK, routing.weights_TxK, y, dropped, ours(x_TxD)[0]
+
+    experts, gates, y, logged_dropped, dropless = layer(jnp.asarray(x))
+    experts, gates = np.asarray(experts), np.asarray(gates, np.float64)
     per_expert = moe.capacity(T * K, E, factor)
     expected, taken, dropped = np.zeros((T, D)), np.zeros(E, int), 0
     for t in range(T):
@@ -188,14 +202,10 @@ def test_a_capacity_drops_the_rows_numpy_says_and_a_large_one_none(factor):
             taken[e] += 1
             h = x[t] @ gate[e]
             expected[t] += gates[t, j] * ((h / (1 + np.exp(-h))) * (x[t] @ up[e])) @ down[e]
-    y = moe.experts_mlp(jnp.asarray(x), routing, *weights[1:], GATED["silu"],
-                        capacity_factor=factor)
     np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-5, atol=1e-5)
-    stats = moe.statistics(routing, factor)
-    assert float(stats["dropped"]) == dropped and (dropped > 0) == (factor < 1.5)
+    assert float(logged_dropped) == dropped and (dropped > 0) == (factor < 1.5)
     if factor == 4.0:
-        np.testing.assert_allclose(np.asarray(y), np.asarray(ours(jnp.asarray(x))[0]),
-                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(y), np.asarray(dropless), rtol=1e-5, atol=1e-6)
 
 
 def _fused_checkpoint(path, family, **changes):
@@ -220,7 +230,7 @@ def _imported(path):
                        "training.mixed_precision=fp32"])
     setup = Setup.create(cfg, jax.devices()[:1])
     params = hf_weights.load_init_from(cfg.model, setup.params.abstract, setup.params.shardings)
-    return cfg, nnx.merge(setup.params.graphdef, params), params
+    return cfg, nnx.merge(setup.params.graphdef, params)
 
 
 @pytest.mark.parametrize("family,changes", [
@@ -235,11 +245,13 @@ def test_fused_experts_with_renormalised_weights_give_transformers_logits_and_lo
     import hf_reference
 
     theirs_model = _fused_checkpoint(tmp_path, family, **changes)
-    cfg, ours, params = _imported(tmp_path)
+    cfg, ours = _imported(tmp_path)
     assert (cfg.model.normalize_top_k, cfg.model.moe_every, cfg.model.num_experts) == (True, 1, 5)
     tokens = np.random.default_rng(0).integers(0, 320, (2, 40))
     theirs = hf_reference.logits(theirs_model, tokens)
-    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), theirs,
+    graphdef, state = nnx.split(ours)
+    logits = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))  # one program
+    np.testing.assert_allclose(np.asarray(logits(state, jnp.asarray(tokens))), theirs,
                                atol=1e-5 * np.abs(theirs).max(), rtol=1e-5)
     with torch.no_grad():
         out = theirs_model(torch.as_tensor(tokens), labels=torch.as_tensor(tokens),
@@ -249,7 +261,8 @@ def test_fused_experts_with_renormalised_weights_give_transformers_logits_and_lo
              "targets": jnp.asarray(np.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)),
              "weights": jnp.asarray(np.arange(40) < 39, jnp.float32)[None].repeat(2, 0)}
     weights = moe.LossWeights(aux=cfg.model.router_aux_loss_coef)
-    loss_sum, sums = loss_sums(nnx.graphdef(ours), nnx.state(ours), batch, router=weights)
+    loss_sum, sums = jax.jit(lambda state, batch: loss_sums(graphdef, state, batch,
+                                                            router=weights))(state, batch)
     tokens_counted = float(sums["tokens"])
     np.testing.assert_allclose(float(sums["moe_aux_loss"]) / tokens_counted,
                                out.aux_loss.item(), rtol=1e-5)
@@ -375,8 +388,10 @@ def test_the_grouped_matmul_kernel_equals_ragged_dot_in_values_and_gradients():
 
     loss = lambda f: lambda x, w: jnp.sum(f(x, w) * probe)  # noqa: E731
     x = jnp.asarray(x_PxD)
-    np.testing.assert_allclose(kernel(x, w), reference(x, w), rtol=1e-5, atol=1e-5)
-    ours, theirs = (jax.grad(loss(f), argnums=(0, 1))(x, w) for f in (kernel, reference))
+    # Each one program, as in a train step, not op by op.
+    np.testing.assert_allclose(jax.jit(kernel)(x, w), jax.jit(reference)(x, w), rtol=1e-5,
+                               atol=1e-5)
+    ours, theirs = (jax.jit(jax.grad(loss(f), argnums=(0, 1)))(x, w) for f in (kernel, reference))
     for a, b in zip(ours, theirs):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     assert float(jnp.abs(ours[1][1]).max()) == 0 and float(jnp.abs(ours[1][3]).min()) > 0

@@ -164,15 +164,22 @@ def test_the_streamed_update_is_optaxs_update_in_one_piece():
         lambda _: device, whole.init(params))}
     state_whole = state_pieces = whole.init(params)
     p_whole = p_pieces = params
+
+    @jax.jit  # one program each, as in the train step, not op by op
+    def update_whole(grads, state, params):
+        updates, state = whole.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    streamed_step = jax.jit(lambda *args: streamed(*args, homes))
+
     for step in range(3):
         grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
         if step == 1:
             grads["a"] = grads["a"].at[2, 0, 0].set(jnp.nan)
-        updates, state_whole = whole.update(grads, state_whole, p_whole)
-        p_whole = optax.apply_updates(p_whole, updates)
+        p_whole, state_whole = update_whole(grads, state_whole, p_whole)
         sums = jax.tree.map(lambda g: 4 * g, grads)  # and the step's denominator, 4 tokens
-        p_pieces, state_pieces, norm = streamed(sums, jnp.float32(4), state_pieces, p_pieces,
-                                                homes)
+        p_pieces, state_pieces, norm = streamed_step(sums, jnp.float32(4), state_pieces,
+                                                     p_pieces)
         if step != 1:
             assert float(norm) == pytest.approx(float(optax.tree.norm(grads)), rel=1e-6)
         for a, b in zip(jax.tree.leaves((p_pieces, state_pieces)),
