@@ -42,6 +42,14 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # and write holds the cache's file lock (filelock), and the least recently used entries are
 # evicted past it. tests/test_internals.py checks that JAX still works this way.
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 * 10**9))
+# In a multi-process job a test starts (torchrun, srun, mpirun, the launcher), process 0
+# compiles each program the cache lacks and hands it to the others through the job's
+# coordination service (JAX's jax_share_binary_between_hosts), rather than every process
+# compiling the same program on the same two cores (docs/multi_node.md's torchrun command, 4
+# processes, cold: 55 CPU-seconds instead of 78). The others load process 0's program as a cache
+# hit loads it. One that never comes is an error after 5 minutes, not a silent wait.
+os.environ.setdefault("JAX_SHARE_BINARY_BETWEEN_HOSTS", "true")
+os.environ.setdefault("JAX_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS", str(5 * 60 * 1000))
 sys.path.insert(0, str(REPO / "tests"))
 
 from tunix_train import gc_policy  # noqa: E402
