@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from flax import nnx
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -92,6 +93,13 @@ def _bindable(port: int) -> bool:
 def family_tiny(family: str, *overrides: str) -> list[str]:
     """TINY for `family`: its tiny model, then TINY's data and training settings."""
     return [*FAMILY_MODELS[family], *TINY[5:], *overrides]
+
+
+def jitted_forward(graphdef, state):
+    """tokens → logits of the model `graphdef` and `state` make, as one program (run eagerly,
+    each of its operations would compile as a program of its own)."""
+    run = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))
+    return lambda tokens: run(state, tokens)
 
 
 def compose_config(*overrides: str) -> Config:

@@ -8,10 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import hf_reference
-from helpers import compose_config, mesh_arg
+from helpers import compose_config, jitted_forward, mesh_arg
 from tunix_train import cli
 from tunix_train.config import ConfigError
 from tunix_train.export import export
@@ -50,8 +49,7 @@ def imported(path, fsdp=1, tp=1, *extra):
 
 
 def our_logits(setup, params, tokens):
-    forward = jax.jit(lambda params, tokens: nnx.merge(setup.params.graphdef, params)(tokens))
-    return np.asarray(forward(params, jax.numpy.asarray(tokens)))  # one program, not op by op
+    return np.asarray(jitted_forward(setup.params.graphdef, params)(jax.numpy.asarray(tokens)))
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
-from helpers import TINY, compose_config, mesh_arg, train_losses
+from helpers import TINY, compose_config, jitted_forward, mesh_arg, train_losses
 from tunix_train.models import families
 from tunix_train.models.decoder import REMAT_POLICIES
 from tunix_train.models.layers import geglu, project, rms_norm, swiglu
@@ -21,10 +21,7 @@ def _model(*overrides, remat="none"):
 
 
 def _forward(model):
-    """`model`'s forward pass as one program (op by op, each operation would compile alone)."""
-    graphdef, state = nnx.split(model)
-    run = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))
-    return lambda tokens: run(state, tokens)
+    return jitted_forward(*nnx.split(model))
 
 
 def _tokens(length=48, seed=0):

@@ -18,7 +18,8 @@ import pytest
 from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
-from helpers import compose_config, family_tiny, mesh_arg, mesh_of, train_losses
+from helpers import (compose_config, family_tiny, jitted_forward, mesh_arg, mesh_of,
+                     train_losses)
 from tunix_train import cli
 from tunix_train.config import ConfigError
 from tunix_train.models import hf_weights, moe
@@ -250,8 +251,8 @@ def test_fused_experts_with_renormalised_weights_give_transformers_logits_and_lo
     tokens = np.random.default_rng(0).integers(0, 320, (2, 40))
     theirs = hf_reference.logits(theirs_model, tokens)
     graphdef, state = nnx.split(ours)
-    logits = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))  # one program
-    np.testing.assert_allclose(np.asarray(logits(state, jnp.asarray(tokens))), theirs,
+    logits = jitted_forward(graphdef, state)(jnp.asarray(tokens))
+    np.testing.assert_allclose(np.asarray(logits), theirs,
                                atol=1e-5 * np.abs(theirs).max(), rtol=1e-5)
     with torch.no_grad():
         out = theirs_model(torch.as_tensor(tokens), labels=torch.as_tensor(tokens),
