@@ -125,7 +125,7 @@ def test_the_exchange_keeps_every_row_or_the_first_of_each_block_as_numpy_says(f
     the whole set for every token; with model.moe_ep_buffer_factor=0.5, each device sends each
     shard its first ceil(0.5 · T·k / 2) assignments in token order (then top-k order) and drops
     the rest: NumPy running that rule, and the dropped count `statistics` logs."""
-    from tunix_train.models import moe, params as model_params
+    from tunix_train.models import moe, params as model_params, router_losses
     from tunix_train.models.layers import GATED
     from tunix_train.parallel.collectives import FsdpHook
 
@@ -143,8 +143,8 @@ def test_the_exchange_keeps_every_row_or_the_first_of_each_block_as_numpy_says(f
             y = moe.experts_mlp(x_TxD, routing, gate, up, down, GATED["silu"],
                                 buffer_factor=factor)
         blocks = moe.plan_blocks(T, K, E // S, S, buffer_factor=factor)
-        return y, moe.statistics(routing, blocks=blocks)["dropped"], routing.experts_TxK, \
-            routing.weights_TxK
+        dropped = router_losses.statistics(routing, blocks=blocks)["dropped"]
+        return y, dropped, routing.experts_TxK, routing.weights_TxK
 
     run = jax.jit(jax.vmap(device, axis_name="ep"))  # one program, not an op at a time
     y, dropped, experts, weights = run(x, *(shard(w) for w in (gate, up, down)))

@@ -22,7 +22,7 @@ from helpers import (compose_config, family_tiny, jitted_forward, mesh_arg, mesh
                      train_losses)
 from tunix_train import cli
 from tunix_train.config import ConfigError
-from tunix_train.models import hf_weights, moe
+from tunix_train.models import hf_weights, moe, router_losses
 from tunix_train.models.decoder import REMAT_POLICIES
 from tunix_train.models.layers import GATED
 from tunix_train.training.setup import Setup
@@ -80,7 +80,8 @@ def test_the_experts_give_transformers_output_and_auxiliary_loss(kind):
     @jax.jit  # one program, not op by op
     def forward(x_TxD):
         y, routing = ours(x_TxD)
-        aux = moe.losses(moe.statistics(routing))["moe_aux_loss"]  # what training adds
+        stats = router_losses.statistics(routing)
+        aux = router_losses.losses(stats)["moe_aux_loss"]  # what training adds
         return y, routing.experts_TxK, aux
 
     y, experts, ours_aux = forward(jnp.asarray(x[0]))
@@ -187,7 +188,7 @@ def test_a_capacity_drops_the_rows_numpy_says_and_a_large_one_none(factor):
     def layer(x_TxD):
         routing = moe.route(x_TxD, weights[0], K, normalize)
         y = moe.experts_mlp(x_TxD, routing, *weights[1:], GATED["silu"], capacity_factor=factor)
-        dropped = moe.statistics(routing, factor)["dropped"]
+        dropped = router_losses.statistics(routing, factor)["dropped"]
         return routing.experts_TxK, routing.weights_TxK, y, dropped, ours(x_TxD)[0]
 
     experts, gates, y, logged_dropped, dropless = layer(jnp.asarray(x))
@@ -261,7 +262,7 @@ def test_fused_experts_with_renormalised_weights_give_transformers_logits_and_lo
     batch = {"inputs": jnp.asarray(tokens),
              "targets": jnp.asarray(np.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)),
              "weights": jnp.asarray(np.arange(40) < 39, jnp.float32)[None].repeat(2, 0)}
-    weights = moe.LossWeights(aux=cfg.model.router_aux_loss_coef)
+    weights = router_losses.LossWeights(aux=cfg.model.router_aux_loss_coef)
     loss_sum, sums = jax.jit(lambda state, batch: loss_sums(graphdef, state, batch,
                                                             router=weights))(state, batch)
     tokens_counted = float(sums["tokens"])

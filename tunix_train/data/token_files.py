@@ -18,7 +18,8 @@ class TokenWindows:
 
     def __init__(self, files: list[Path], tokens: list[np.memmap], seq_len: int,
                  vocab_limit: int, windows: tuple[np.ndarray, np.ndarray]):
-        self.files, self._tokens, self.seq_len, self.vocab_limit = files, tokens, seq_len, vocab_limit
+        self.files, self._tokens = files, tokens
+        self.seq_len, self.vocab_limit = seq_len, vocab_limit
         self.file_ids, self.starts = windows
 
     @classmethod

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tunix_train.config import LoraConfig, ModelConfig
-from tunix_train.models import kv_cache, layers, lora, moe, rope
+from tunix_train.models import kv_cache, layers, lora, moe, rope, router_losses
 from tunix_train.models.attention import Attention
 from tunix_train.models.family import Architecture, Family
 from tunix_train.models.head import VocabChunks
@@ -85,7 +85,7 @@ class Experts(nnx.Module):
         self.matmul, self.capacity_factor = cfg.moe_matmul, cfg.moe_capacity_factor
         self.buffer_factor, self.num_experts = cfg.moe_ep_buffer_factor, E
 
-    def __call__(self, x_BxLxD: jax.Array) -> tuple[jax.Array, moe.Statistics]:
+    def __call__(self, x_BxLxD: jax.Array) -> tuple[jax.Array, router_losses.Statistics]:
         B, L, D = x_BxLxD.shape
         x_TxD = x_BxLxD.reshape(B * L, D)
         routing = moe.route(x_TxD, self.router[...], self.top_k, self.normalize)
@@ -94,7 +94,8 @@ class Experts(nnx.Module):
                                 self.matmul, self.capacity_factor, self.buffer_factor)
         blocks = moe.blocks_for(B * L, self.top_k, self.num_experts, gate.shape[0],
                                 self.capacity_factor, self.buffer_factor)
-        return y_TxD.reshape(B, L, D), moe.statistics(routing, self.capacity_factor, blocks)
+        stats = router_losses.statistics(routing, self.capacity_factor, blocks)
+        return y_TxD.reshape(B, L, D), stats
 
 
 class DecoderLayer(nnx.Module):
@@ -120,7 +121,7 @@ class DecoderLayer(nnx.Module):
         self.post_norms = arch.post_norms
 
     def __call__(self, x_BxLxD, cos_sin, segment_ids_BxL, window: int | None
-                 ) -> tuple[jax.Array, moe.Statistics | None]:
+                 ) -> tuple[jax.Array, router_losses.Statistics | None]:
         attn = self.attention(self.pre_attention_norm(x_BxLxD), cos_sin, segment_ids_BxL, window)
         return self._mlp_block(x_BxLxD + self._post(attn, "post_attention_norm"))
 
@@ -130,7 +131,7 @@ class DecoderLayer(nnx.Module):
                                               positions_BxT, cache, window)
         return self._mlp_block(x_BxTxD + self._post(attn, "post_attention_norm"))[0], written
 
-    def _mlp_block(self, x_BxLxD: jax.Array) -> tuple[jax.Array, moe.Statistics | None]:
+    def _mlp_block(self, x_BxLxD: jax.Array) -> tuple[jax.Array, router_losses.Statistics | None]:
         y_BxLxD, stats = self.mlp(self.pre_mlp_norm(x_BxLxD)), None
         if self.routed:
             y_BxLxD, stats = y_BxLxD
@@ -193,9 +194,10 @@ class Decoder(nnx.Module):
     def losses(self, tokens_BxL: jax.Array, targets_BxL: jax.Array,
                positions_BxL: jax.Array | None = None, segment_ids_BxL: jax.Array | None = None,
                vocab_chunks: VocabChunks = VocabChunks(), temperature: float = 1.0
-               ) -> tuple[jax.Array, moe.Statistics | None]:
+               ) -> tuple[jax.Array, router_losses.Statistics | None]:
         """`token_losses`, and the routed layers' router statistics summed over them (None when
-        no layer routes), from which the training loss adds the router's losses (models/moe.py)."""
+        no layer routes), from which the training loss adds the router's losses
+        (models/router_losses.py)."""
         hidden_BxLxD, stats = self._hidden(tokens_BxL, positions_BxL, segment_ids_BxL)
         if temperature != 1.0:
             hidden_BxLxD = hidden_BxLxD / jnp.asarray(temperature, hidden_BxLxD.dtype)
@@ -214,7 +216,7 @@ class Decoder(nnx.Module):
         x_BxLxD, ys = self._run_blocks(self.embed(tokens_BxL), steps,
                                        self._layer_xs(self.layout.block_stacks))
         x_BxLxD, tail_ys = self._tail(x_BxLxD, ropes, segment_ids_BxL)
-        return x_BxLxD, moe.total([*ys.values(), *tail_ys])
+        return x_BxLxD, router_losses.total([*ys.values(), *tail_ys])
 
     # The pieces, in order: rope → embed → blocks → tail → head_losses (or logits).
 
@@ -228,19 +230,21 @@ class Decoder(nnx.Module):
         return constrain(x_BxLxD, ("act_batch", "act_seq", "act_embed"))
 
     def blocks(self, x_BxLxD: jax.Array, ropes: dict[str, rope.CosSin],
-               segment_ids_BxL: jax.Array | None) -> tuple[jax.Array, moe.Statistics | None]:
+               segment_ids_BxL: jax.Array | None
+               ) -> tuple[jax.Array, router_losses.Statistics | None]:
         """The blocks whose layers this module holds: all of them, or one pipeline stage's
         chunk when the stacks are one (parallel/pipeline.py); and their routed layers' router
         statistics summed (None when none routes)."""
         steps = self._scan_steps(ropes, segment_ids_BxL, self.layout.block_stacks)
         x_BxLxD, ys = self._run_blocks(x_BxLxD, steps, self._layer_xs(self.layout.block_stacks))
-        return x_BxLxD, moe.total(list(ys.values()))
+        return x_BxLxD, router_losses.total(list(ys.values()))
 
     def tail(self, x_BxLxD: jax.Array, ropes: dict[str, rope.CosSin],
-             segment_ids_BxL: jax.Array | None) -> tuple[jax.Array, moe.Statistics | None]:
+             segment_ids_BxL: jax.Array | None
+             ) -> tuple[jax.Array, router_losses.Statistics | None]:
         """The trailing layers and the final norm; their router statistics, as `blocks`."""
         x_BxLxD, ys = self._tail(x_BxLxD, ropes, segment_ids_BxL)
-        return x_BxLxD, moe.total(ys)
+        return x_BxLxD, router_losses.total(ys)
 
     def _tail(self, x_BxLxD, ropes, segment_ids_BxL) -> tuple[jax.Array, list]:
         stacks, ys = self.layout.trailing_stacks, []

@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tunix_train.models import moe, params as model_params
+from tunix_train.models import params as model_params, router_losses
 from tunix_train.models.head import VocabChunks
 from tunix_train.parallel.collectives import FsdpHook, cpu_safe_reduction
 from tunix_train.parallel.mesh import PP
@@ -112,7 +112,8 @@ def rotate(stage_fn: Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array
 
 def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: dict, plan: Schedule,
               vocab_chunks: VocabChunks = VocabChunks(),
-              router: moe.LossWeights = moe.LossWeights()) -> tuple[jax.Array, dict]:
+              router: router_losses.LossWeights = router_losses.LossWeights()
+              ) -> tuple[jax.Array, dict]:
     """training/train_step.py's `loss_sums` on one pipeline stage: this stage's share of the
     loss sum and token count over one [B, L] micro-batch (summed over pp by the caller). A
     mixture of experts' router statistics, of every stage's layers over all M micro-batches,
@@ -145,24 +146,24 @@ def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: dict, plan: Schedule,
                                        share(segments))
     token_loss = model.head_losses(hidden, share(batch["targets"]), vocab_chunks)
     weights = share(batch["weights"])
-    stats = moe.added(stats, more_stats)
+    stats = router_losses.added(stats, more_stats)
     if stats is not None:
         stats = jax.lax.psum(stats, PP)  # fp32 sums
     tokens = jnp.sum(weights)
-    loss_sum, metrics = moe.with_router_losses(jnp.sum(token_loss * weights), tokens, stats,
-                                               router)
+    loss_sum, metrics = router_losses.with_losses(jnp.sum(token_loss * weights), tokens, stats,
+                                                  router)
     return loss_sum, {"tokens": tokens, **metrics}
 
 
 def _after_stages(model: nnx.Module, after: nnx.Module | None, hidden: jax.Array, ropes: Any,
-                  segments: jax.Array | None) -> tuple[jax.Array, moe.Statistics | None]:
+                  segments: jax.Array | None) -> tuple[jax.Array, router_losses.Statistics | None]:
     """This stage's share of the last stage's outputs through the left-over blocks (if any),
     the trailing layers and the final norm; and their router statistics."""
     after_stats = None
     if after is not None:
         hidden, after_stats = after.blocks(hidden, ropes, segments)
     hidden, tail_stats = model.tail(hidden, ropes, segments)
-    return hidden, moe.added(after_stats, tail_stats)
+    return hidden, router_losses.added(after_stats, tail_stats)
 
 
 def _round_chunk(graphdef: nnx.GraphDef, params: Any, stage_stacks: dict[str, Any],

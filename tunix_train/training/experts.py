@@ -4,7 +4,7 @@ and schedules its routing cannot run on, refused by name before anything compile
 from __future__ import annotations
 
 from tunix_train.config import Config, ConfigError
-from tunix_train.models import families, moe
+from tunix_train.models import families, router_losses
 from tunix_train.parallel import mesh as mesh_lib, stages
 
 
@@ -13,15 +13,15 @@ def check_mesh(cfg: Config, shape: mesh_lib.MeshShape) -> None:
     _check_expert_parallelism(cfg, shape)
 
 
-def router_loss_weights(cfg: Config) -> moe.LossWeights:
+def router_loss_weights(cfg: Config) -> router_losses.LossWeights:
     """How much of a mixture of experts' router losses the training loss adds (none for a dense
     model): training.moe_aux_loss_weight, by default the model's router_aux_loss_coef."""
     t = cfg.training
     if not families.layout(cfg.model).routed:
-        return moe.LossWeights()
+        return router_losses.LossWeights()
     aux = cfg.model.router_aux_loss_coef if t.moe_aux_loss_weight is None else \
         t.moe_aux_loss_weight
-    return moe.LossWeights(aux, t.router_z_loss_weight)
+    return router_losses.LossWeights(aux, t.router_z_loss_weight)
 
 
 def _check_kernel_on_tp(cfg: Config, tp: int) -> None:
@@ -43,7 +43,7 @@ def _check_expert_parallelism(cfg: Config, shape: mesh_lib.MeshShape) -> None:
             f"(model.num_experts=0); put those devices on fsdp.")
 
 
-def check_router_losses_on_pp(cfg: Config, weights: moe.LossWeights,
+def check_router_losses_on_pp(cfg: Config, weights: router_losses.LossWeights,
                                plan: stages.Schedule | None) -> None:
     """The pipeline's last layers run this stage's share of the M micro-batches, zeros past M
     included: their router statistics would count those (parallel/pipeline.py)."""

@@ -19,7 +19,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from tunix_train.models import context, lora, moe, params as model_params, quantization
+from tunix_train.models import (context, lora, params as model_params, quantization,
+                                router_losses)
 from tunix_train.models.head import VocabChunks
 from tunix_train.parallel import fsdp, pipeline, stages
 from tunix_train.parallel.mesh import CP
@@ -41,26 +42,28 @@ class StepOptions:
     vocab_chunks: VocabChunks  # how the fused output head + loss cuts the vocabulary
     pipeline: stages.Schedule | None = None  # with a pp axis: the pipeline schedule
     dropout_seed: int | None = None  # LoRA dropout's seed (training.seed); None = no dropout
-    router: moe.LossWeights = moe.LossWeights()  # the router's losses (mixture of experts)
+    # the router's losses (mixture of experts)
+    router: router_losses.LossWeights = router_losses.LossWeights()
     streamed: StreamedUpdate | None = None  # training.offload_params: the update layer by layer
 
 
 def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: Batch,
               vocab_chunks: VocabChunks = VocabChunks(),
-              router: moe.LossWeights = moe.LossWeights()) -> tuple[jax.Array, dict]:
+              router: router_losses.LossWeights = router_losses.LossWeights()
+              ) -> tuple[jax.Array, dict]:
     """(sum of token losses, {"tokens": number of counted tokens}) for one [B, L] batch;
     `params` already in the compute dtype. The logits are formed a vocabulary chunk at a time,
     never whole. A mixture of experts adds its router's losses of this batch, weighted by
     `router` and counted once per token (as transformers adds them to the mean token loss),
-    and its `moe.METRICS` as sums over tokens."""
+    and its `router_losses.METRICS` as sums over tokens."""
     model = nnx.merge(graphdef, params)
     token_loss_BxL, stats = model.losses(batch["inputs"], batch["targets"],
                                          batch.get("positions"), batch.get("segment_ids"),
                                          vocab_chunks)
     weights_BxL = batch["weights"]
     tokens = jnp.sum(weights_BxL)
-    loss_sum, metrics = moe.with_router_losses(jnp.sum(token_loss_BxL * weights_BxL), tokens,
-                                               stats, router)
+    loss_sum, metrics = router_losses.with_losses(jnp.sum(token_loss_BxL * weights_BxL), tokens,
+                                                  stats, router)
     return loss_sum, {"tokens": tokens, **metrics}
 
 
@@ -113,7 +116,7 @@ def train_step_fn(layout: StateLayout, optimizer: optax.GradientTransformation,
                 state.get(FROZEN))
         tokens = sums.pop("tokens")
         per_token = {name: sums.pop(name) / jnp.maximum(tokens, 1.0)
-                     for name in moe.METRICS if name in sums}
+                     for name in router_losses.METRICS if name in sums}
         # A non-finite loss makes every gradient NaN here (in the division that happens anyway),
         # so the optimizer's finiteness guard skips the update even if the gradients were finite.
         denominator = jnp.where(jnp.isfinite(loss_sum), jnp.maximum(tokens, 1.0), jnp.nan)
