@@ -14,8 +14,8 @@ checkpoint saved on one mesh, ZeRO stage or process count loads on another.
 
 What can go wrong at restore, and what happens:
 - the saved state has another structure or shape than this run's (a changed model or optimizer
-  setting): found from Orbax's metadata before any array is read; one sentence names the keys
-  and both values; nothing is moved;
+  setting), or LoRA adapters of another base: found from Orbax's metadata before any array is
+  read (checkpoint_fit.py); one sentence names the keys and both values; nothing is moved;
 - a step proven unreadable (a file missing or truncated: tensorstore's NOT_FOUND, OUT_OF_RANGE,
   DATA_LOSS, a truncated compressed stream): reported in one line, set aside, and the previous
   step is used instead;
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import shutil
 import time
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from orbax.checkpoint._src.metadata import array_metadata_store
 
+from tunix_train import checkpoint_fit
 from tunix_train.config import CheckpointConfig, ConfigError
 
 log = logging.getLogger("tunix_train")
@@ -48,18 +48,6 @@ log = logging.getLogger("tunix_train")
 ITEMS = ("state", "data", "config")
 NOT_SAVED = ("frozen",)  # train state entries that come from their source at every start (LoRA's
 # base: training/state.py)
-# Settings that decide the train state's structure or shapes, named when a checkpoint's differ.
-STRUCTURE_KEYS = (
-    *(f"model.{k}" for k in ("family", "num_layers", "embed_dim", "hidden_dim", "num_heads",
-                             "num_kv_heads", "head_dim", "vocab_size", "global_every",
-                             "tie_embeddings")),
-    "optimizer.name", "optimizer.grad_clip", "optimizer.weight_decay",
-    "lora.rank", "lora.targets",  # LoRA's adapters
-)
-# What checkpoints saved before a key existed meant by its absence.
-_BEFORE_THE_KEY = {"model.family": "gemma3", "model.tie_embeddings": True, "lora.rank": 0,
-                   "lora.targets": ["all"]}
-LORA_BASE = "lora_base"  # the saved config's record of LoRA's frozen base (training/setup.py)
 # Tensorstore's status codes for data that is not there or not whole: proof of damage.
 DAMAGE_CODES = ("NOT_FOUND", "OUT_OF_RANGE", "DATA_LOSS", "FAILED_PRECONDITION")
 # ... and for storage that may answer if asked again (absl status codes, as tensorstore spells them).
@@ -171,8 +159,10 @@ def restore(path: str | Path, abstract_state: Any, config: dict,
     manager = _reader(directory)
 
     def read(step: int) -> Restored:
-        _check_structure(manager, directory, step, abstract_state, config)
-        _check_lora_base(manager, directory, step, config)
+        saved_tree, saved_config = _saved_shapes_and_config(manager, step)
+        checkpoint_fit.check_structure(saved_tree, abstract_state, directory / str(step),
+                                       saved_config, config)
+        checkpoint_fit.check_lora_base(directory / str(step), saved_config, config)
         items = manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
         return Restored(step, items.state, dict(items.data), directory / str(step))
@@ -196,7 +186,9 @@ def load_params(path: str | Path, abstract_params: Any, shardings: Any,
     restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), target)
 
     def read(step: int) -> Any:
-        _check_structure(manager, directory, step, target, config, part="params")
+        saved_tree, saved_config = _saved_shapes_and_config(manager, step)
+        checkpoint_fit.check_structure(saved_tree, target, directory / str(step), saved_config,
+                                       config, part="params")
         checkpointer = ocp.PyTreeCheckpointer()
         return checkpointer.restore(directory / str(step) / "state", args=ocp.args.PyTreeRestore(
             target, restore_args=restore_args, partial_restore=True))["params"]
@@ -226,6 +218,16 @@ def locate(path: str | Path) -> tuple[Path, list[int]]:
         raise ConfigError(f"{path} holds no committed checkpoint; point checkpoint.resume_from or "
                           f"checkpoint.init_params_from at a run directory or a step directory.")
     return path, sorted(steps, reverse=True)
+
+
+def _saved_shapes_and_config(manager: _Manager, step: int) -> tuple[Any, Callable[[], dict]]:
+    """The saved state's array metadata, and a reader of the saved config (read only when a
+    check needs it)."""
+    def saved_config() -> dict:
+        return dict(manager.restore(step, args=ocp.args.Composite(
+            config=ocp.args.JsonRestore())).config)
+
+    return dict(manager.item_metadata(step)["state"]), saved_config
 
 
 def _reader(directory: Path) -> _Manager:
@@ -304,113 +306,6 @@ def _is_storage(error: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
-
-
-def _check_structure(manager: _Manager, directory: Path, step: int, target: Any,
-                     config: dict | None, part: str | None = None) -> None:
-    """Before any array is read: the saved state (or its `part`) has the target's structure
-    and shapes, or the user hears which settings differ."""
-    saved_tree = dict(manager.item_metadata(step)["state"])
-    saved, wanted = _shapes(saved_tree), _shapes(target)
-    if part is not None:
-        saved = _only(saved, part)
-    if saved == wanted:
-        return
-    where = directory / str(step)
-    changed = _changed_settings(manager, step, config)
-    if changed:
-        what = "; ".join(f"{k}={a} there, {b} here" for k, a, b in changed)
-    else:
-        path = sorted(set(saved) ^ set(wanted) or
-                      [k for k in saved if saved[k] != wanted.get(k)])[0]
-        what = f"{path}: {saved.get(path, 'absent')} there, {wanted.get(path, 'absent')} here"
-    params_fit = part is None and _only(saved, "params") == _only(wanted, "params")
-    keep_params = (f", or take only its parameters with checkpoint.init_params_from={where}"
-                   if params_fit else "")
-    raise ConfigError(
-        f"checkpoint {where} was saved with other settings that change the train state's shape "
-        f"({what}); nothing was moved: continue it with the saved values or start afresh in "
-        f"another hydra.run.dir{keep_params}.")
-
-
-def _check_lora_base(manager: _Manager, directory: Path, step: int, config: dict | None) -> None:
-    """LoRA adapters are only meaningful on the base they were trained on: a checkpoint whose
-    recorded base (source and fingerprint) is not this run's is refused by name, naming the
-    keys that make the base another one where one of them changed."""
-    now = (config or {}).get(LORA_BASE)
-    if now is None:
-        return
-    saved_config = dict(manager.restore(step, args=ocp.args.Composite(
-        config=ocp.args.JsonRestore())).config)
-    saved = saved_config.get(LORA_BASE)
-    if saved is not None and _same_base(saved, now):
-        return
-    where = f"checkpoint {directory / str(step)} holds LoRA adapters of another base"
-    keep = "nothing was moved"
-    changed = [(f"{section}.{key}", _get(saved_config, section, key), _get(config, section, key))
-               for section, key in _BASE_KEYS]
-    changed = [(k, there, here) for k, there, here in changed if there != here]
-    if saved is not None and changed:
-        named = "; ".join(f"{k}={there} there, {here} here" for k, there, here in changed)
-        back = " ".join(f"{k}={there}" for k, there, _ in changed)
-        raise ConfigError(f"{where}: {named}; {keep}: resume with {back}, or start afresh in "
-                          f"another hydra.run.dir.")
-    there = "none (not a LoRA run)" if saved is None else \
-        f"{saved['source']} (fingerprint {_digits(saved['fingerprint'])})"
-    raise ConfigError(
-        f"{where}: {there} there, {now['source']} (fingerprint {_digits(now['fingerprint'])}) "
-        f"here; {keep}: give the same base (model.init_from or checkpoint.init_params_from), or "
-        f"start afresh in another hydra.run.dir.")
-
-
-# What decides the frozen base's values beside its source.
-_BASE_KEYS = (("lora", "base_quantization"), ("training", "mixed_precision"),
-              ("model", "init_from"), ("checkpoint", "init_params_from"))
-
-
-def _get(config: dict | None, section: str, key: str) -> Any:
-    return ((config or {}).get(section) or {}).get(key)
-
-
-def _same_base(saved: dict, now: dict) -> bool:
-    """The same source and fingerprint: the digest compared as a number (to its 6 digits)."""
-    return saved["source"] == now["source"] and math.isclose(
-        float(saved["fingerprint"]), float(now["fingerprint"]), rel_tol=1e-5)
-
-
-def _digits(fingerprint: str) -> str:
-    return f"{float(fingerprint):.6e}"
-
-
-def _only(shapes: dict[str, tuple], part: str) -> dict[str, tuple]:
-    return {k: v for k, v in shapes.items() if k.startswith(part + "/")}
-
-
-def _shapes(tree: Any) -> dict[str, tuple]:
-    """{"opt_state/inner_state/1/0/mu/embedder/embedding": shape, ...} of arrays or metadata."""
-    def name(key) -> str:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                return str(getattr(key, attr))
-        return str(key)
-
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {"/".join(map(name, path)): tuple(leaf.shape) for path, leaf in leaves}
-
-
-def _changed_settings(manager: _Manager, step: int, config: dict | None) -> list[tuple]:
-    if config is None:
-        return []
-    saved = dict(manager.restore(step, args=ocp.args.Composite(
-        config=ocp.args.JsonRestore())).config)
-    changed = []
-    for dotted in STRUCTURE_KEYS:
-        section, key = dotted.split(".")
-        before = saved.get(section, {}).get(key, _BEFORE_THE_KEY.get(dotted))
-        now = config.get(section, {}).get(key, _BEFORE_THE_KEY.get(dotted))
-        if before != now:
-            changed.append((dotted, before, now))
-    return changed
 
 
 def _gather(outcome: str) -> set[str]:

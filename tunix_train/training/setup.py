@@ -24,7 +24,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from tunix_train import backend
-from tunix_train import checkpoint
+from tunix_train import checkpoint, checkpoint_fit
 from tunix_train import config as config_lib
 from tunix_train.analysis import costs
 from tunix_train.config import Config, ConfigError, TrainingConfig
@@ -236,7 +236,7 @@ class Setup:
             c = self.cfg
             source = c.checkpoint.init_params_from or c.model.init_from or \
                 f"random (training.seed={c.training.seed})"
-            saved[checkpoint.LORA_BASE] = {"source": source, "fingerprint": fingerprint(frozen)}
+            saved[checkpoint_fit.LORA_BASE] = {"source": source, "fingerprint": fingerprint(frozen)}
         return saved
 
     def lora_line(self) -> str:
