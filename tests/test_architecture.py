@@ -165,3 +165,14 @@ def test_families_are_registered_not_imported_by_the_layers_that_use_models():
     importers = {name for name, targets in GRAPH.items() if targets & FAMILY_MODULES}
     assert importers == {"tunix_train.models.families", "tunix_train.models.qwen3",
                          "tunix_train.models.qwen3_moe", "tunix_train.models.mixtral"}
+
+
+def test_the_names_the_validator_accepts_are_the_registries_own():
+    """validation.py sits below the registries (it may not import them), so it keeps their
+    names: every family it accepts has a description, and every trainer its own code."""
+    from tunix_train import cli, validation
+    from tunix_train.models import families
+
+    assert tuple(families.FAMILIES) == validation.FAMILY_NAMES
+    tasks = {name: cli.task_of(name) for name in validation.TRAINERS}
+    assert len(set(tasks.values())) == len(tasks), tasks

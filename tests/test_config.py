@@ -150,16 +150,19 @@ def test_a_missing_path_is_one_sentence_naming_the_key(tmp_path, override, key):
         paths.resolve(compose_config(override), tmp_path)
 
 
-@pytest.mark.parametrize("given,group", [
-    (["data.path=a/b.jsonl"], "jsonl"), (["data.path=corpus/*.parquet"], "parquet"),
-    (["data.path=train.bin"], "tokens"), (["data.path=notes/*.txt"], "text"),
-    (["trainer=grpo", "data.path=prompts.jsonl"], "prompts"),
+@pytest.mark.parametrize("given,group,why", [
+    (["data.path=a/b.jsonl"], "jsonl", "its extension"),
+    (["data.path=corpus/*.parquet"], "parquet", "its extension"),
+    (["data.path=train.bin"], "tokens", "its extension"),
+    (["data.path=notes/*.txt"], "text", "its extension"),
+    (["trainer=grpo", "data.path=prompts.jsonl"], "prompts", "trainer=grpo's data"),
+    (["trainer=dpo", "data.path=pairs.jsonl"], "preferences", "trainer=dpo's data"),
 ])
-def test_a_data_path_without_its_group_takes_the_group_of_its_extension(given, group):
+def test_a_data_path_without_its_group_takes_its_trainers_or_its_extensions(given, group, why):
     from tunix_train import overrides
 
     composed, note = overrides.with_data_group(given)
-    assert composed == [f"data={group}", *given] and f"read as data={group}" in note
+    assert composed == [f"data={group}", *given] and f"read as data={group} ({why})" in note
     assert overrides.compose_checked(composed).data.name in (group, "jsonl")  # sft/jsonl alias
     assert overrides.with_data_group(["data=text", "data.path=x.jsonl"])[0] == [
         "data=text", "data.path=x.jsonl"]  # a chosen group is the user's

@@ -74,8 +74,8 @@ def compose(argv: Sequence[str]) -> Config:
 def before_hydra(argv: list[str]) -> None:
     """run_training.py and the planner, before `@hydra.main` runs: a mistake in the overrides
     is one sentence and exit code 2 (not Hydra's traceback-like report and exit 1), a
-    `data.path` without its `data=` group gets one from its extension, and processes started
-    by hand agree on one run dir. Changes `argv` (sys.argv) in place."""
+    `data.path` without its `data=` group gets its trainer's or its extension's, and processes
+    started by hand agree on one run dir. Changes `argv` (sys.argv) in place."""
     tool_logging()
     with user_errors():
         args = overrides_lib.hydra_arguments(argv[1:])

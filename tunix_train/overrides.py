@@ -21,6 +21,7 @@ import typing
 from pathlib import Path
 from typing import Sequence
 
+from tunix_train import validation
 from tunix_train.config import CONFIG_DIR, Config, ConfigError, register_configs
 
 log = logging.getLogger("tunix_train")
@@ -68,21 +69,24 @@ def groups() -> dict[str, list[str]]:
 
 def with_data_group(overrides: Sequence[str]) -> tuple[list[str], str | None]:
     """`data.path=…` without a `data=` group reads the bundled corpus and ignores the path; the
-    group is taken from the file's extension instead, or the mistake is refused.
+    group is the trainer's own (validation.TRAINERS) or taken from the file's extension
+    instead, or the mistake is refused.
     Returns (overrides, the added group's note or None)."""
     parsed = parse(overrides)
     keys = {o.key_or_group for o in parsed}
     paths = [o for o in parsed if o.key_or_group == "data.path" and not o.is_delete()]
     if "data" in keys or not paths:
         return list(overrides), None
-    path = str(paths[-1].value())
-    group = ({"grpo": "prompts", "dpo": "preferences"}.get(_trainer(parsed)) or
-             DATA_GROUP_BY_SUFFIX.get(Path(path.rstrip("*/")).suffix.lower()))
+    path, trainer = str(paths[-1].value()), _trainer(parsed)
+    group, why = validation.TRAINERS.get(trainer), f"trainer={trainer}'s data"
+    if group is None:
+        suffix = Path(path.rstrip("*/")).suffix.lower()
+        group, why = DATA_GROUP_BY_SUFFIX.get(suffix), "its extension"
     if group is None:
         raise ConfigError(
             f"data.path={path} needs a data= group to say how to read it (without one the "
             f"bundled corpus is used); add data=text, data=jsonl, data=parquet or data=tokens.")
-    return [f"data={group}", *overrides], f"data.path={path}: read as data={group} (its extension)"
+    return [f"data={group}", *overrides], f"data.path={path}: read as data={group} ({why})"
 
 
 def _trainer(parsed: list) -> str | None:

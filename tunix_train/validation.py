@@ -40,6 +40,12 @@ _COUNT = _Range(1)  # a count of at least one
 _FRACTION = _Range(0, 1)
 _BETA = _Range(0, 1, high_open=True)
 
+# trainer.name → its own data group (None: text or SFT data); cli.task_of maps each to its code.
+TRAINERS = {"default": None, "grpo": "prompts", "dpo": "preferences"}
+# model.family's names; models/families.py holds each family's description
+# (tests/test_architecture.py keeps the two the same).
+FAMILY_NAMES = ("gemma3", "llama3", "qwen3", "qwen3_moe", "mixtral")
+
 _CHOICES = {
     ("training", "mixed_precision"): ("auto", "bf16", "fp32"),
     ("training", "remat"): ("none", "full", "save_dots"),
@@ -47,7 +53,7 @@ _CHOICES = {
     ("training", "grad_reduce_dtype"): ("auto", "fp32"),
     ("model", "attention_impl"): ("auto", "blockwise", "cudnn", "pallas", "xla"),
     ("model", "cp_exchange"): ("all_gather", "ring"),
-    ("model", "family"): ("gemma3", "llama3", "qwen3", "qwen3_moe", "mixtral"),
+    ("model", "family"): FAMILY_NAMES,
     ("model", "rope_type"): ("linear", "llama3"),
     ("model", "moe_matmul"): ("auto", "tiles", "ragged_dot", "tokamax", "pallas"),
     ("logging", "progress"): ("auto", "always", "never"),
@@ -56,7 +62,7 @@ _CHOICES = {
     ("export", "dtype"): ("bfloat16", "float32"),
     ("export", "lora"): ("merged", "adapter"),
     ("lora", "base_quantization"): ("none", "nf4", "int8"),
-    ("trainer", "name"): ("default", "grpo", "dpo"),
+    ("trainer", "name"): tuple(TRAINERS),
     ("dpo", "loss"): ("sigmoid", "ipo", "hinge"),
     ("grpo", "kl_estimator"): ("k3", "k1"),
     ("grpo", "advantage"): ("grpo", "dr_grpo", "rloo"),
@@ -170,17 +176,14 @@ def _validate_trackers(logging_cfg: LoggingConfig) -> None:
                               f"logging.{key}.enabled=false.")
 
 
-_TRAINER_DATA = {"grpo": "prompts", "dpo": "preferences"}  # a trainer's own data group
-
-
 def _validate_trainer(cfg: Config) -> None:
     trainer, data = cfg.trainer.name, cfg.data.name
-    for name, group in _TRAINER_DATA.items():
-        if data == group and trainer != name:
+    for name, group in TRAINERS.items():
+        if group is not None and data == group and trainer != name:
             raise ConfigError(f"data={group} is for trainer={name}; add trainer={name}, or use "
                               f"data=sft for prompt/response pairs.")
-    if trainer in _TRAINER_DATA and data != _TRAINER_DATA[trainer]:
-        raise ConfigError(f"trainer={trainer} needs data={_TRAINER_DATA[trainer]} data.path="
+    if TRAINERS.get(trainer) not in (None, data):
+        raise ConfigError(f"trainer={trainer} needs data={TRAINERS[trainer]} data.path="
                           f"<jsonl or parquet records>, not data={data}.")
     mesh = cfg.model.mesh_shape
     if trainer != "default" and _mesh_size(cfg, "pp") != 1:
