@@ -11,6 +11,7 @@ Every default is on this screen with its unit.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -298,6 +299,7 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
+@functools.cache  # once a process: ConfigStore is global, and building the schema takes 50 ms
 def register_configs() -> None:
     """Registers the schema so `configs/config.yaml` can list `base_config` first in its defaults.
 
