@@ -86,6 +86,12 @@ class Typed:
                 os.symlink(os.readlink(source), target)
             else:
                 shutil.copy2(source, target)
+        # The package's bytecode too (conftest.py writes it; copy2 kept the sources' times, so it
+        # is valid here): the commands import this copy's package, not the installed one.
+        for compiled in REPO.glob("tunix_train/**/__pycache__/*.pyc"):
+            target = root / compiled.relative_to(REPO)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(compiled, target)
 
     def env(self, extra: dict | None = None, command: str = "", many_steps: bool = False) -> dict:
         """The user's shell: `python` is this interpreter; no simulated devices unless the
