@@ -17,7 +17,9 @@ from flax import nnx
 
 from tunix_train import backend
 from tunix_train.config import LoraConfig, ModelConfig
-from tunix_train.models import blockwise, context, flash, kv_cache, lora, partitioning, rope
+from tunix_train.models import blockwise, context, kv_cache, lora, partitioning, rope
+# models/flash.py is imported where its kernels are used: importing Pallas and its Triton
+# dialect takes 0.2 s of every start, CPU runs included, which never call them.
 from tunix_train.models.family import Architecture
 from tunix_train.models.layers import RMSNorm, adapted, param, scaled_normal
 from tunix_train.models.partitioning import constrain
@@ -141,6 +143,8 @@ class Attention(nnx.Module):
         Pallas call: it would gather all of them onto every device)."""
         k_BxLxKxH, v_BxLxKxH, segment_ids_BxL = _per_device_inputs(
             q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL)
+        from tunix_train.models import flash  # only where used: see the imports above
+
         heads = ("act_batch", None, "act_q_heads", None)
         return partitioning.per_device(
             functools.partial(flash.attention, scale=self.scale, window=window),
@@ -218,6 +222,8 @@ def attention_path(implementation: str, dtype, masked: bool, length: int,
         why = f"cuDNN's fused attention takes bf16 or fp16, and compute is " \
               f"{jnp.dtype(dtype).name}"
     elif masked and length > CUDNN_BIAS_MAX_TOKENS:
+        from tunix_train.models import flash  # only where used: see the imports above
+
         path = "pallas" if flash.supported_head_dim(head_dim) else "blockwise"
         return path, f"document masks at {length} tokens would reach cuDNN as a " \
                      f"[B, N, L, L] bias (above {CUDNN_BIAS_MAX_TOKENS} tokens)"

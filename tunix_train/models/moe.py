@@ -27,8 +27,11 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from tunix_train import backend
-from tunix_train.models import grouped_matmul, params as model_params
+from tunix_train.models import params as model_params
 from tunix_train.models.layers import PROJECTION
+
+# models/grouped_matmul.py (Pallas kernels, tokamax) is imported where it is used: importing
+# Pallas and its Triton dialect takes 0.2 s of every start, CPU runs included.
 
 
 @dataclass(frozen=True)
@@ -268,6 +271,8 @@ def tiled(expert_of_A: jax.Array, k: int, experts: int, kernel: bool = False) ->
     A = expert_of_A.shape[0]
     tile = tile_rows(A, experts)
     if kernel:
+        from tunix_train.models import grouped_matmul  # only where used: see the imports
+
         tile = min(max(tile, 16), grouped_matmul.TILE_ROWS)
     n_tiles = -(-(A + experts * (tile - 1)) // tile)
     sizes_E, _, rank_A = _sorted(expert_of_A, experts)
@@ -330,7 +335,12 @@ def chosen_matmul(model, tp: int) -> str:
     return "pallas" if backend.is_gpu() and fits else "tiles"
 
 
+def _tokamax(expert_of_A: jax.Array, k: int, experts: int) -> Rows:
+    from tunix_train.models import grouped_matmul  # only where used: see the imports
+
+    return ragged(expert_of_A, k, experts, dot=grouped_matmul.tokamax_ragged_dot)
+
+
 # model.moe_matmul → (expert of each assignment, k, experts) → Rows.
-MATMULS = {"tiles": tiled, "ragged_dot": ragged,
-           "tokamax": functools.partial(ragged, dot=grouped_matmul.tokamax_ragged_dot),
+MATMULS = {"tiles": tiled, "ragged_dot": ragged, "tokamax": _tokamax,
            "pallas": functools.partial(tiled, kernel=True)}
