@@ -95,13 +95,7 @@ def train_step_fn(layout: StateLayout, optimizer: optax.GradientTransformation,
     """The un-jitted step: state, batch → new state, metrics. With another `loss_fn` (GRPO's),
     its sums other than "tokens" are added to the metrics as sums (not yet divided)."""
 
-    micro_loss_fn = loss_fn
-    if options.pipeline is not None:
-        if loss_fn is not loss_sums:  # config validation refuses these trainers by name first
-            raise ValueError("the pipeline schedule computes the next-token loss only; this "
-                             "trainer's loss cannot run on a pp mesh")
-        micro_loss_fn = partial(pipeline.loss_sums, plan=options.pipeline)
-
+    micro_loss_fn = _on_the_mesh(loss_fn, options.pipeline)
     routed = {"router": options.router} if loss_fn is loss_sums else {}
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
@@ -120,16 +114,8 @@ def train_step_fn(layout: StateLayout, optimizer: optax.GradientTransformation,
         # A non-finite loss makes every gradient NaN here (in the division that happens anyway),
         # so the optimizer's finiteness guard skips the update even if the gradients were finite.
         denominator = jnp.where(jnp.isfinite(loss_sum), jnp.maximum(tokens, 1.0), jnp.nan)
-        if options.streamed is None:
-            grads = gradients(grad_sums, denominator)
-            opt_state = layout.on_device(state["opt_state"])  # offloaded: host → device
-            updates, opt_state = optimizer.update(grads, opt_state, state["params"])
-            params, opt_state = (optax.apply_updates(state["params"], updates),
-                                 layout.to_home(opt_state))
-            grad_norm = optax.global_norm(grads)
-        else:  # the parameters in host memory: their update streams through a layer at a time
-            params, opt_state, grad_norm = options.streamed(
-                grad_sums, denominator, state["opt_state"], state["params"], layout.shardings)
+        params, opt_state, grad_norm = _updated(layout, optimizer, options.streamed, state,
+                                                grad_sums, denominator)
         new_state = {
             **state,  # LoRA's frozen base passes through (donated: no copy)
             "step": state["step"] + 1,
@@ -148,6 +134,31 @@ def train_step_fn(layout: StateLayout, optimizer: optax.GradientTransformation,
         return new_state, metrics
 
     return step
+
+
+def _on_the_mesh(loss_fn: LossFn, plan: stages.Schedule | None) -> LossFn:
+    """A micro-batch's loss sums: `loss_fn`, or on a pp mesh the pipeline's next-token loss."""
+    if plan is None:
+        return loss_fn
+    if loss_fn is not loss_sums:  # config validation refuses these trainers by name first
+        raise ValueError("the pipeline schedule computes the next-token loss only; this "
+                         "trainer's loss cannot run on a pp mesh")
+    return partial(pipeline.loss_sums, plan=plan)
+
+
+def _updated(layout: StateLayout, optimizer: optax.GradientTransformation,
+             streamed: StreamedUpdate | None, state: TrainState, grad_sums: Any,
+             denominator: jax.Array) -> tuple[Any, Any, jax.Array]:
+    """(parameters, optimizer state, gradient norm) after the optimizer's update."""
+    if streamed is not None:  # the parameters in host memory: a layer at a time
+        return streamed(grad_sums, denominator, state["opt_state"], state["params"],
+                        layout.shardings)
+    grads = gradients(grad_sums, denominator)
+    opt_state = layout.on_device(state["opt_state"])  # offloaded: host → device
+    updates, opt_state = optimizer.update(grads, opt_state, state["params"])
+    params, opt_state = (optax.apply_updates(state["params"], updates),
+                         layout.to_home(opt_state))
+    return params, opt_state, optax.global_norm(grads)
 
 
 def gradients(sums: Any, denominator: jax.Array) -> Any:
