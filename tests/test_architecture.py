@@ -21,7 +21,7 @@ LAYERS = [  # top to bottom; a module may import its own layer's modules and tho
     {"tunix_train.grpo", "tunix_train.dpo"},
     {"tunix_train.training"},
     {"tunix_train.inference"},
-    {"tunix_train.analysis"},
+    {"tunix_train.analysis", "tunix_train.starting_weights"},
     {"tunix_train.parallel"},
     {"tunix_train.models", "tunix_train.data", "tunix_train.checkpoint",
      "tunix_train.checkpoint_fit"},

@@ -16,6 +16,7 @@ import pytest
 
 from helpers import (REPO, FAMILY_MODELS, ONE_STACK, cli_env, compose_config, family_tiny,
                      run_cli, sigterm_when_paused)
+from tunix_train import starting_weights
 from tunix_train.data import demo
 from tunix_train.data import tokenizer as tokenizer_lib
 from tunix_train.grpo import objective as objective_lib
@@ -144,7 +145,7 @@ def rollouts_on(sums: Path, mesh: str, devices: int, *extra: str):
     tokenizer = tokenizer_lib.open_tokenizer("byte")
     prompts = read_prompts(cfg.data, tokenizer, 12, GEMMA_TURN)
     maker = RolloutMaker(setup, cfg.grpo, tokenizer, Rewards.create(cfg.grpo, prompts[0].fields))
-    policy = setup.params.initial_params(0)
+    policy = starting_weights.initial_params(setup.params, 0)
     return setup, maker, maker.make(policy, prompts[:4], jax.random.key(1)), policy
 
 
@@ -200,9 +201,10 @@ def test_given_the_same_rollouts_loss_and_gradients_agree_on_every_mesh(sums):
                           ("[[1,4,2],[fsdp,cp,tp]]", 8)):
         setup = Setup.create(grpo_config(sums, mesh), jax.devices()[:devices])
         # Another policy than the one that sampled and a third as the reference (non-zero KL).
-        params = setup.params.initial_params(2)
+        params = starting_weights.initial_params(setup.params, 2)
         batch = on_devices(host, setup.batch_sharding)
-        batch["ref_logps"] = reference_scorer(setup, 0.7)(setup.params.initial_params(3), batch)
+        reference = starting_weights.initial_params(setup.params, 3)
+        batch["ref_logps"] = reference_scorer(setup, 0.7)(reference, batch)
         results.append(gradients(setup, batch, params))
     (g1, loss1, sums1), *others = results
     assert sums1["clipped"] > 0 and sums1["kl"] > 0

@@ -16,7 +16,7 @@ from flax import nnx
 import hf_reference
 from helpers import (FAMILIES, compiled_run, compose_config, family_tiny, mesh_arg, mesh_of,
                      train_losses)
-from tunix_train import cli
+from tunix_train import cli, starting_weights
 from tunix_train.checkpoint import Checkpoints
 from tunix_train.config import CheckpointConfig, ConfigError
 from tunix_train.parallel.layout import ParamLayout, merged
@@ -94,7 +94,7 @@ def test_adapter_gradients_equal_a_hand_written_lora(fsdp, tp):
     cfg = lora_config("gemma3", mesh_arg(fsdp, tp))
     setup = Setup.create(cfg, jax.devices()[: fsdp * tp])
     layout = setup.params
-    adapters = layout.initial_adapters(0)
+    adapters = starting_weights.initial_adapters(layout, 0)
     # B random (it starts at zero, where A's gradient is zero too).
     keys = iter(jax.random.split(jax.random.key(1), 64))
     adapters = jax.tree_util.tree_map_with_path(
@@ -270,7 +270,8 @@ def test_peft_loads_the_exported_adapter_and_the_merged_export_agrees(family, tm
                                atol=1e-5 * scale)
     # A LoRA run as another run's starting point (checkpoint.init_params_from): folded alike.
     plain = ParamLayout.create(cfg.model, layout.mesh, 3)
-    folded = logits_of(plain.graphdef, plain.run_params(str(tmp_path / "run")), tokens)
+    folded = logits_of(plain.graphdef, starting_weights.run_params(plain, str(tmp_path / "run")),
+                       tokens)
     np.testing.assert_allclose(folded, theirs, rtol=0, atol=1e-5 * scale)
     with with_adapter.disable_adapter():  # the adapter is really there
         assert np.abs(hf_reference.logits(with_adapter, tokens) - theirs).max() > 1e-3 * scale

@@ -12,7 +12,7 @@ from typing import Any, Iterable
 
 import jax
 
-from tunix_train import checkpoint
+from tunix_train import checkpoint, starting_weights
 from tunix_train.config import Config, LoraConfig, ModelConfig
 from tunix_train.models import hf_config
 from tunix_train.parallel import mesh as mesh_lib
@@ -41,11 +41,12 @@ def for_inference(cfg: Config, explicit: Iterable[str]) -> tuple[Config, ParamLa
         if layout.frozen is None:
             return cfg, layout, params
         seed, init_params_from = base_source
-        return cfg, layout, layout.merge(params, layout.base(seed, init_params_from))
+        base = starting_weights.base(layout, seed, init_params_from)
+        return cfg, layout, layout.merge(params, base)
     if not cfg.model.init_from:
         log.warning("neither checkpoint.resume_from nor model.init_from is set: using random "
                     "weights")
-    return cfg, layout, layout.merge(*layout.initial(cfg.training.seed))
+    return cfg, layout, layout.merge(*starting_weights.initial(layout, cfg.training.seed))
 
 
 def saved_lora(run_dir: str | Path) -> tuple[LoraConfig, tuple[int, str | None]]:

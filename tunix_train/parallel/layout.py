@@ -3,9 +3,8 @@
 `ParamLayout.create` traces the model with `nnx.eval_shape` (nothing is allocated) and derives
 from the one rules table (sharding.py) each parameter's sharding as stored and its gradient's
 sharding at the run's ZeRO stage: what inference needs to place weights, and the base of the
-train state's layout (training/state.py). Parameters are then created directly in their shards:
-`initial` reads `model.init_from` or initialises at random, so a model larger than one
-device's memory never exists whole.
+train state's layout (training/state.py). Nothing here reads weights: starting_weights.py
+creates them directly in these shardings, from a checkpoint or at random.
 
 With LoRA (`lora.rank` > 0) the trainable parameters are the adapters alone (models/lora.py):
 `abstract`, `shardings` and the gradient and moment layouts describe them, and `frozen`
@@ -18,7 +17,6 @@ the two merged (`merge`).
 from __future__ import annotations
 
 import math
-import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -28,15 +26,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tunix_train import backend
-from tunix_train import checkpoint
 from tunix_train.config import LoraConfig, ModelConfig
-from tunix_train.models import families, hf_weights, lora as lora_lib, moe, quantization
+from tunix_train.models import families, lora as lora_lib, moe, quantization
 from tunix_train.models.family import LAYERS, TRAILING
 from tunix_train.models.layers import logical_axes
 from tunix_train.parallel import sharding
 from tunix_train.parallel.mesh import TP
-
-log = logging.getLogger("tunix_train")
 
 
 @dataclass(frozen=True)
@@ -134,62 +129,12 @@ class ParamLayout:
         return cls(mesh, rules, model, graphdef, *trainable, dtype, frozen, trees[0], trees[1],
                    lora)
 
-    def initial(self, seed: int) -> tuple[Any, Any]:
-        """(trainable parameters, frozen base or None): `model.init_from`'s weights, else the
-        random initialisation of `seed`, each array created directly in its sharding. A LoRA
-        base is exactly what the model without adapters would start from."""
-        if self.frozen is None:
-            return self._init(self.full_abstract, self.full_shardings, seed, LoraConfig()), None
-        return self.initial_adapters(seed), self.base(seed)
-
-    def initial_params(self, seed: int) -> Any:
-        """The trainable parameters of `initial` (every parameter without LoRA)."""
-        return self.initial(seed)[0]
-
-    def initial_adapters(self, seed: int) -> Any:
-        """LoRA's adapters at initialisation (A random from `seed`, B zero), nothing else made."""
-        return jax.jit(lambda: select(nnx.to_pure_dict(nnx.state(families.build(
-            self.model, nnx.Rngs(seed), lora=self.lora))), lora_lib.is_adapter),
-            out_shardings=self.shardings)()
-
-    def base(self, seed: int, init_params_from: str | None = None) -> Any:
-        """LoRA's frozen base, from its source: `checkpoint.init_params_from` (a run's
-        parameters; a LoRA run's with its adapters folded in), else `model.init_from`, else the
-        random initialisation of `seed`."""
-        abstract, shardings = self.base_abstract(), self.base_shardings()
-        if not init_params_from:
-            return self.frozen.cast(self._init(abstract, shardings, seed, LoraConfig()))
-        log.info("LoRA base from %s (its parameters, frozen)", init_params_from)
-        return self.frozen.cast(self.run_params(init_params_from))
-
-    def run_params(self, run_dir: str, config: dict | None = None) -> Any:
-        """A run's whole model in fp32 (no adapters): its parameters, or, of a LoRA run, its
-        base with its adapters folded in (W + A·B·alpha/rank, models/lora.py). `config`: this
-        run's, to name what differs when the parameters do not fit (checkpoint.load_params)."""
-        saved = checkpoint.saved_config(run_dir)
-        trained = LoraConfig(**saved.get("lora", {}))
-        abstract, shardings = self.base_abstract(), self.base_shardings()
-        if not trained.on:
-            return checkpoint.load_params(run_dir, abstract, shardings, config)
-        theirs = ParamLayout.create(self.model, self.mesh, 3, lora=trained,
-                                    mixed_precision="fp32")
-        adapters = checkpoint.load_params(run_dir, theirs.abstract, theirs.shardings, config)
-        base = theirs.base(saved["training"]["seed"], saved["checkpoint"].get("init_params_from"))
-        return jax.jit(lambda a, b: lora_lib.folded(quantization.dequantized(merged(a, b)), trained),
-                       out_shardings=shardings)(adapters, base)
-
     def base_abstract(self) -> Any:
         """The base's parameters in fp32, as a whole-model run saves them."""
         return select(self.full_abstract, lambda path: not lora_lib.is_adapter(path))
 
     def base_shardings(self) -> Any:
         return select(self.full_shardings, lambda path: not lora_lib.is_adapter(path))
-
-    def _init(self, abstract: Any, shardings: Any, seed: int, lora: LoraConfig) -> Any:
-        if self.model.init_from:
-            return hf_weights.load_init_from(self.model, abstract, shardings)
-        return jax.jit(lambda: nnx.to_pure_dict(nnx.state(families.build(
-            self.model, nnx.Rngs(seed), lora=lora))), out_shardings=shardings)()
 
     def merge(self, trainable: Any, frozen: Any) -> Any:
         """The tree the model reads: trainable parameters and frozen base together."""

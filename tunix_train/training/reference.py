@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tunix_train.starting_weights import initial_params, run_params
 from tunix_train.config import Config
 from tunix_train.models import quantization
 from tunix_train.parallel import sharding as sharding_lib
@@ -63,10 +64,10 @@ def starting_weights(setup: Setup, purpose: str) -> Any:
         log.info("reference model for %s: the LoRA base, adapters off", purpose)
         return ADAPTERS_OFF
     if cfg.checkpoint.init_params_from:
-        params = setup.params.run_params(cfg.checkpoint.init_params_from)
+        params = run_params(setup.params, cfg.checkpoint.init_params_from)
         source = cfg.checkpoint.init_params_from
     else:
-        params = setup.params.initial_params(cfg.training.seed)
+        params = initial_params(setup.params, cfg.training.seed)
         source = cfg.model.init_from or f"the random initialisation of seed {cfg.training.seed}"
     log.info("reference model for %s: %s", purpose, source)
     dtype = setup.params.compute_dtype

@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from tunix_train import backend
 from tunix_train import checkpoint, checkpoint_fit
 from tunix_train import config as config_lib
+from tunix_train import starting_weights
 from tunix_train.analysis import costs
 from tunix_train.config import Config, ConfigError, TrainingConfig
 from tunix_train.data import pipeline
@@ -187,10 +188,11 @@ class Setup:
 
     def fresh_state(self) -> TrainState:
         """Step 0: `model.init_from`'s weights or a random initialisation, a fresh optimizer."""
+        seed = self.cfg.training.seed
         if self.params.frozen is not None:
-            return self.state.around(self.params.initial_adapters(self.cfg.training.seed),
+            return self.state.around(starting_weights.initial_adapters(self.params, seed),
                                      self.optimizer, self.base())
-        return self.state.around(self.params.initial_params(self.cfg.training.seed),
+        return self.state.around(starting_weights.initial_params(self.params, seed),
                                  self.optimizer)
 
     def initial_state(self, run_dir: Path, data: pipeline.GlobalBatches) -> TrainState:
@@ -212,19 +214,21 @@ class Setup:
             log.info("resuming from step %d (%s)", restored.step, restored.path)
             return restored.state if frozen is None else {**restored.state, FROZEN: frozen}
         if cfg.init_params_from and frozen is None:
-            params = self.params.run_params(cfg.init_params_from, config_lib.to_dict(self.cfg))
+            params = starting_weights.run_params(self.params, cfg.init_params_from,
+                                                config_lib.to_dict(self.cfg))
             log.info("parameters from %s; step and optimizer state start afresh",
                      cfg.init_params_from)
             return self.state.around(params, self.optimizer)
         if frozen is not None:
-            return self.state.around(self.params.initial_adapters(self.cfg.training.seed),
-                                     self.optimizer, frozen)
+            adapters = starting_weights.initial_adapters(self.params, self.cfg.training.seed)
+            return self.state.around(adapters, self.optimizer, frozen)
         return self.fresh_state()
 
     def base(self) -> Any:
-        """LoRA's frozen base, from its source (ParamLayout.base), where the state keeps it (in
-        host memory with training.offload_params)."""
-        base = self.params.base(self.cfg.training.seed, self.cfg.checkpoint.init_params_from)
+        """LoRA's frozen base, from its source (starting_weights.base), where the state keeps
+        it (in host memory with training.offload_params)."""
+        base = starting_weights.base(self.params, self.cfg.training.seed,
+                                     self.cfg.checkpoint.init_params_from)
         return jax.device_put(base, self.state.shardings[FROZEN]) \
             if self.state.params_offloaded else base
 
