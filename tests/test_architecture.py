@@ -153,7 +153,7 @@ def test_families_are_registered_not_imported_by_the_layers_that_use_models():
 
     every_stack = ModelConfig(num_layers=13, global_every=6, num_experts=4, moe_every=3,
                               expert_hidden_dim=8)  # blocks and trailing layers, dense and routed
-    stacks = {s for f in families.FAMILIES.values() for s in f.layout(every_stack).stacks}
+    stacks = {s for f in families.FAMILIES.values() for s in f.stacking(every_stack).stacks}
     stacks -= {LAYERS, TRAILING}  # also the logical axes of layer stacks, which rules name
     assert stacks == {"local_layers", "global_layers", "dense_layers"}
     assert {f"tunix_train.models.{name}" for name in families.FAMILIES} == FAMILY_MODULES

@@ -30,7 +30,7 @@ def _tokens(length=48, seed=0):
 
 def test_five_local_then_one_global_like_gemma3():
     cfg = compose_config("model=gemma3_1b").model
-    placement = families.layout(cfg).placement()
+    placement = families.stacking(cfg).placement()
     stacks = [stack for stack, _ in placement]
     assert len(stacks) == 26
     assert [i for i, k in enumerate(stacks) if k == "global_layers"] == [5, 11, 17, 23]
@@ -74,9 +74,9 @@ def test_local_layers_see_only_their_window_global_layers_see_everything():
 
 def test_trailing_local_layers_run_after_the_blocks():
     cfg, model = _model("model.num_layers=8")
-    layout = families.layout(cfg)
-    assert (layout.num_blocks, layout.trailing_layers) == (1, 2)
-    assert layout.count("local_layers") + layout.count("trailing_layers") == 7
+    stacking = families.stacking(cfg)
+    assert (stacking.num_blocks, stacking.trailing_layers) == (1, 2)
+    assert stacking.count("local_layers") + stacking.count("trailing_layers") == 7
     assert _forward(model)(_tokens()).shape == (2, 48, cfg.vocab_size)
 
 

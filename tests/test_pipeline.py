@@ -52,7 +52,7 @@ def test_zero_1_and_spaced_out_reductions_match_the_run_without_pp(precision, rt
 
 def test_each_stage_holds_its_own_blocks_only(runs):
     setup, _, _, state = runs["2x2x2"]
-    blocks = families.layout(setup.cfg.model).num_blocks
+    blocks = families.stacking(setup.cfg.model).num_blocks
     for stack in ("local_layers", "global_layers"):
         for leaf in jax.tree.leaves(state["params"][stack]):
             assert leaf.sharding.spec[0] == "pp"

@@ -50,7 +50,7 @@ def test_four_stages_round_the_ring_with_a_left_over_block():
              "training.global_batch_size=16", "training.gradient_accumulation_steps=2"]
     without = train_losses(compose_config(*model, mesh_arg(1, 2)), STEPS, jax.devices()[:2])[0]
     cfg = compose_config(*model, "training.pipeline_repeats=2", mesh_of(PP_MESHES["4x1x2"]))
-    split = stages.Stages.of(families.layout(cfg.model), 4, 2)
+    split = stages.Stages.of(families.stacking(cfg.model), 4, 2)
     assert (split.chunk, split.per_stage, split.leftover) == (1, 2, 1)
     assert Setup.create(cfg).options.pipeline.microbatches == 8
     np.testing.assert_allclose(train_losses(cfg, STEPS)[0], without, rtol=1e-5)
@@ -71,11 +71,11 @@ def test_the_stacks_are_stored_whole_over_pp_in_the_models_order(runs):
                 if not {"fsdp", "pp"} & set(jax.tree.leaves(tuple(s.spec))))
     without = runs["none"][1].per_device_bytes["params"]
     assert costs.per_device_bytes["params"] - whole == pytest.approx((without - whole) / 2, abs=64)
-    split = stages.Stages.of(families.layout(setup.cfg.model), 2, 2)
+    split = stages.Stages.of(families.stacking(setup.cfg.model), 2, 2)
     # Blocks 0 and 2 on stage 0, 1 and 3 on stage 1; the local stack has one row per block.
     assert split.row_order("global_layers").tolist() == [0, 2, 1, 3]
     # 5 blocks of [2 locals, global], 1 left over:
-    three = stages.Stages.of(families.layout(compose_config("model.num_layers=15",
+    three = stages.Stages.of(families.stacking(compose_config("model.num_layers=15",
                                                             "model.global_every=3").model), 2, 2)
     assert three.row_order("local_layers").tolist() == [0, 1, 4, 5, 2, 3, 6, 7, 8, 9]
 

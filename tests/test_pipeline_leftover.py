@@ -32,7 +32,7 @@ def test_blocks_left_over_after_the_stages_give_the_losses_without_pp(uneven, na
     reference = uneven["none"][2]
     assert reference[-1] < reference[0]
     np.testing.assert_allclose(uneven[name][2], reference, rtol=1e-5)
-    split = stages.Stages.of(families.layout(uneven[name][0].cfg.model), int(name[0]))
+    split = stages.Stages.of(families.stacking(uneven[name][0].cfg.model), int(name[0]))
     assert (split.per_stage, split.leftover) == {"2x2x2": (2, 1), "4x1x2": (1, 1)}[name]
 
 

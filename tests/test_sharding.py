@@ -42,7 +42,7 @@ def test_tp_must_divide_query_heads():
     cfg = compose_config(*TINY, "model.num_heads=6", "model.num_kv_heads=1")
     mesh = mesh_lib.create_mesh(mesh_lib.parse([[2, 4], ["fsdp", "tp"]], 8))
     with pytest.raises(ConfigError, match=r"model.num_heads=6 is not divisible by tp=4"):
-        sharding.stage_rules(cfg.model, mesh, 3)
+        sharding.zero_rules(cfg.model, mesh, 3)
 
 
 def test_single_kv_head_is_replicated_over_tp_not_an_error():

@@ -1,7 +1,7 @@
 """Orbax checkpoints: save the train state, the data iterator's position and the config; restore
 them into any mesh.
 
-Layout (a plain Orbax `CheckpointManager` directory, readable without this package):
+On disk (a plain Orbax `CheckpointManager` directory, readable without this package):
 
     <run dir>/checkpoints/<step>/state    StandardSave of {"step", "params", "opt_state"}
     <run dir>/checkpoints/<step>/data     JsonSave of the data iterator's `get_state()`

@@ -45,9 +45,9 @@ def mean_context(seq_len: int, window: int | None) -> float:
 
 
 def training_flops_per_token(model: ModelConfig, seq_len: int) -> float:
-    layout = families.layout(model)
-    context = sum(layout.count(stack) * mean_context(seq_len, layout.window(stack))
-                  for stack in layout.stacks)
+    stacking = families.stacking(model)
+    context = sum(stacking.count(stack) * mean_context(seq_len, stacking.window(stack))
+                  for stack in stacking.stacks)
     matmul_params = families.active_params(model) - (
         0 if model.tie_embeddings else families.embedding_size(model))
     return 6.0 * matmul_params + 12.0 * model.num_heads * model.head_dim * context

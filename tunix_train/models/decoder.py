@@ -1,5 +1,5 @@
 """The decoder every family is: an embedding, scanned stacks of layers, a final norm and the
-output head, laid out as the family's `StackLayout` says (models/family.py).
+output head, laid out as the family's `Stacking` says (models/family.py).
 
 The forward pass is a scan over the blocks, each block running its stacks' layers in order
 (a scan over a stack's rows in the block, one row included), then the trailing
@@ -153,21 +153,21 @@ def _stacked_layers(cfg: ModelConfig, arch: Architecture, lora_cfg: LoraConfig, 
 
 
 class Decoder(nnx.Module):
-    """One family's model. Its stacks are attributes named as the layout names them (Gemma 3:
+    """One family's model. Its stacks are attributes named as the stacking names them (Gemma 3:
     `local_layers`, `global_layers`, `trailing_layers`; Llama and Qwen: `layers`)."""
 
     def __init__(self, cfg: ModelConfig, family: Family, *, rngs: nnx.Rngs, remat: str = "none",
                  lora_cfg: LoraConfig = LoraConfig()):
         self.cfg = cfg
-        self.layout = family.layout(cfg)
+        self.stacking = family.stacking(cfg)
         self.ropes = family.ropes(cfg)
         self.remat = remat
         arch = family.architecture
         self.embedder = Embedder(cfg, rngs, arch.embed_scale)
-        for stack in self.layout.stacks:
-            setattr(self, stack, _stacked_layers(cfg, arch, lora_cfg, self.layout.count(stack),
-                                                 rngs, self.layout.axis(stack),
-                                                 stack in self.layout.routed))
+        for stack in self.stacking.stacks:
+            setattr(self, stack, _stacked_layers(cfg, arch, lora_cfg, self.stacking.count(stack),
+                                                 rngs, self.stacking.axis(stack),
+                                                 stack in self.stacking.routed))
         self.final_norm = RMSNorm(cfg.embed_dim, cfg.rms_norm_eps, arch.norm_offset)
         if not cfg.tie_embeddings:
             self.head = Unembedding(cfg, rngs)
@@ -212,9 +212,9 @@ class Decoder(nnx.Module):
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(tokens_BxL.shape[1]), tokens_BxL.shape)
         ropes = self.rope(positions_BxL)
-        steps = self._scan_steps(ropes, segment_ids_BxL, self.layout.block_stacks)
+        steps = self._scan_steps(ropes, segment_ids_BxL, self.stacking.block_stacks)
         x_BxLxD, ys = self._run_blocks(self.embed(tokens_BxL), steps,
-                                       self._layer_xs(self.layout.block_stacks))
+                                       self._layer_xs(self.stacking.block_stacks))
         x_BxLxD, tail_ys = self._tail(x_BxLxD, ropes, segment_ids_BxL)
         return x_BxLxD, router_losses.total([*ys.values(), *tail_ys])
 
@@ -235,8 +235,8 @@ class Decoder(nnx.Module):
         """The blocks whose layers this module holds: all of them, or one pipeline stage's
         chunk when the stacks are one (parallel/pipeline.py); and their routed layers' router
         statistics summed (None when none routes)."""
-        steps = self._scan_steps(ropes, segment_ids_BxL, self.layout.block_stacks)
-        x_BxLxD, ys = self._run_blocks(x_BxLxD, steps, self._layer_xs(self.layout.block_stacks))
+        steps = self._scan_steps(ropes, segment_ids_BxL, self.stacking.block_stacks)
+        x_BxLxD, ys = self._run_blocks(x_BxLxD, steps, self._layer_xs(self.stacking.block_stacks))
         return x_BxLxD, router_losses.total(list(ys.values()))
 
     def tail(self, x_BxLxD: jax.Array, ropes: dict[str, rope.CosSin],
@@ -247,7 +247,7 @@ class Decoder(nnx.Module):
         return x_BxLxD, router_losses.total(ys)
 
     def _tail(self, x_BxLxD, ropes, segment_ids_BxL) -> tuple[jax.Array, list]:
-        stacks, ys = self.layout.trailing_stacks, []
+        stacks, ys = self.stacking.trailing_stacks, []
         steps, xs = self._scan_steps(ropes, segment_ids_BxL, stacks), self._layer_xs(stacks)
         for stack in stacks:
             x_BxLxD, y = jax.lax.scan(steps[stack], x_BxLxD, xs[stack],
@@ -275,13 +275,13 @@ class Decoder(nnx.Module):
         x_BxTxD = self.embed(tokens_BxT)
         ropes = self.rope(positions_BxT)
         steps, xs = {}, {}  # per stack: the scan body, and (layer params, layer caches) to scan
-        for stack in self.layout.stacks:
+        for stack in self.stacking.stacks:
             steps[stack] = self._decode_step(getattr(self, stack), ropes[stack], positions_BxT,
                                              cache[stack], cache["next"],
-                                             self.layout.window(stack))
+                                             self.stacking.window(stack))
             xs[stack] = (nnx.state(getattr(self, stack)), cache[stack]["layers"])
         x_BxTxD, kvs = self._run_blocks(x_BxTxD, steps, xs)
-        for stack in self.layout.trailing_stacks:
+        for stack in self.stacking.trailing_stacks:
             x_BxTxD, kvs[stack] = jax.lax.scan(steps[stack], x_BxTxD, xs[stack])
         logits_BxTxV = self.logits(_materialized(self.final_norm)(x_BxTxD))
         return logits_BxTxV, kv_cache.advance(cache, positions_BxT, kvs)
@@ -290,10 +290,10 @@ class Decoder(nnx.Module):
         """An empty cache for rows of up to `max_len` tokens (prompt and generated together):
         a slot per column for full attention, a ring of `window` slots for a sliding window."""
         cfg, cache = self.cfg, {"next": jnp.zeros((), jnp.int32)}
-        for stack in self.layout.stacks:
-            window = self.layout.window(stack)
+        for stack in self.stacking.stacks:
+            window = self.stacking.window(stack)
             size = max_len if window is None else min(window, max_len)
-            cache[stack] = kv_cache.empty(self.layout.count(stack), batch, size,
+            cache[stack] = kv_cache.empty(self.stacking.count(stack), batch, size,
                                           cfg.num_kv_heads, cfg.head_dim, dtype)
         return cache
 
@@ -311,10 +311,10 @@ class Decoder(nnx.Module):
         block stack, per-layer inputs stacked like the layers (parameters, and caches when
         decoding); returns x and per block stack the per-layer outputs, stacked the same way.
         How many blocks there are is read off the stacks (a pipeline stage holds a slice)."""
-        stacks = [s for s in self.layout.block_stacks if s in xs]
+        stacks = [s for s in self.stacking.block_stacks if s in xs]
         if not stacks:
             return x, {}
-        per_block = {s: self.layout.rows_per_block(s) for s in stacks}
+        per_block = {s: self.stacking.rows_per_block(s) for s in stacks}
         if len(stacks) == 1 and per_block[stacks[0]] == 1 and not self.cfg.unroll_layers:
             # One scan over the layers: a [blocks, 1, ...] view of the stacks would make XLA
             # copy each whole stack into the loop (a layout change of the size-1 axis).
@@ -343,7 +343,7 @@ class Decoder(nnx.Module):
     def _scan_steps(self, ropes, segment_ids_BxL, stacks) -> dict:
         """The remat'ed scan body of each stack in `stacks`."""
         return {stack: self._scan_step(getattr(self, stack), ropes[stack], segment_ids_BxL,
-                                       self.layout.window(stack), zlib.crc32(stack.encode()))
+                                       self.stacking.window(stack), zlib.crc32(stack.encode()))
                 for stack in stacks}
 
     def _scan_step(self, stack, cos_sin, segment_ids_BxL, window, salt: int):

@@ -10,7 +10,7 @@ from flax import nnx
 from tunix_train.config import ConfigError, LoraConfig, ModelConfig
 from tunix_train.models import gemma3, llama3, mixtral, qwen3, qwen3_moe
 from tunix_train.models.decoder import Decoder
-from tunix_train.models.family import Family, StackLayout
+from tunix_train.models.family import Family, Stacking
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (gemma3.FAMILY, llama3.FAMILY, qwen3.FAMILY,
                                                     qwen3_moe.FAMILY, mixtral.FAMILY)}
@@ -38,8 +38,8 @@ def build(model: ModelConfig, rngs: nnx.Rngs, remat: str = "none",
     return Decoder(model, of(model), rngs=rngs, remat=remat, lora_cfg=lora)
 
 
-def layout(model: ModelConfig) -> StackLayout:
-    return of(model).layout(model)
+def stacking(model: ModelConfig) -> Stacking:
+    return of(model).stacking(model)
 
 
 def count_params(model: ModelConfig) -> int:
@@ -62,8 +62,8 @@ def active_params(model: ModelConfig) -> int:
 
 def expert_params(model: ModelConfig) -> int:
     """Parameters of every routed layer's experts (their gate, up and down projections)."""
-    layout = of(model).layout(model)
-    routed = sum(layout.count(stack) for stack in layout.routed)
+    stacking = of(model).stacking(model)
+    routed = sum(stacking.count(stack) for stack in stacking.routed)
     return routed * model.num_experts * 3 * model.embed_dim * model.expert_hidden_dim
 
 

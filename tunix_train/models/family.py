@@ -9,7 +9,7 @@ layers of one kind (same attention window and RoPE), stored stacked on a leading
 a scan. Gemma 3's block is five local (sliding-window) layers from the stack `local_layers` and
 one global layer from `global_layers`, and the local layers left after the last whole block form
 the stack `trailing_layers`; a Llama or Qwen block is one layer of the stack `layers`; a
-mixture-of-experts model keeps its routed layers (`StackLayout.routed`) in stacks of their own,
+mixture-of-experts model keeps its routed layers (`Stacking.routed`) in stacks of their own,
 apart from its dense ones, so each stack's layers stay alike. Pipeline
 stages are cut from whole blocks (parallel/stages.py), FSDP gathers one layer of a stack at a
 time (parallel/collectives.py), and the KV cache holds one entry per stack (models/kv_cache.py).
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tunix_train.config import ConfigError, ModelConfig
-from tunix_train.models.hf_layouts import (EXPERTS_TRANSPOSE, HEADS_IN, HEADS_OUT, MATRIX,
-                                            TRANSPOSE, VECTOR, Layout)
+from tunix_train.models.hf_axes import (EXPERTS_TRANSPOSE, HEADS_IN, HEADS_OUT, MATRIX,
+                                            TRANSPOSE, VECTOR, AxisMap)
 
 LAYERS = "layers"  # logical axis of a stack of block layers (pipeline stages cut it)
 TRAILING = "trailing_layers"  # logical axis of a stack of layers after the last block
@@ -41,7 +41,7 @@ class Segment:
 
 
 @dataclass(frozen=True)
-class StackLayout:
+class Stacking:
     """How a model's layers split into blocks of stacks, and the trailing layers."""
 
     block: tuple[Segment, ...]  # one block, in order; each stack at most once
@@ -132,10 +132,10 @@ class Rope:
 class HfTensor:
     """One Hugging Face tensor: its name (after the model's prefix, e.g. "model.", unless
     `top` says it sits at the top, like an untied `lm_head.weight`) and how it maps onto ours
-    (hf_layouts.Layout)."""
+    (hf_axes.AxisMap)."""
 
     name: str  # "{j}" in it: one tensor per expert j, the rows of our leaf's expert axis
-    layout: Layout
+    axes: AxisMap
     top: bool = False
     half: int | None = None  # of a fused tensor (gate_up_proj): which half of its axis 1
 
@@ -151,7 +151,7 @@ class Family:
     chat_turn: str = "{prompt}"  # one user turn and the model's cue (data.chat_template=true)
     end_turn: str = ""  # what closes the model's turn (chat messages of preference pairs)
 
-    def layout(self, model: ModelConfig) -> StackLayout:
+    def stacking(self, model: ModelConfig) -> Stacking:
         raise NotImplementedError
 
     def ropes(self, model: ModelConfig) -> dict[str, Rope]:
@@ -263,14 +263,14 @@ class RoutedExperts:
 
     per_expert: dict[tuple, HfTensor] = {}
 
-    def layout(self, model: ModelConfig) -> StackLayout:
+    def stacking(self, model: ModelConfig) -> Stacking:
         n = model.moe_every
         if model.num_experts == 0:
-            return super().layout(model)  # type: ignore[misc]
+            return super().stacking(model)  # type: ignore[misc]
         if n == 1:
-            return StackLayout(block=(Segment(LAYERS, 1),), num_blocks=model.num_layers,
+            return Stacking(block=(Segment(LAYERS, 1),), num_blocks=model.num_layers,
                                routed=(LAYERS,))
-        return StackLayout(block=(Segment(DENSE_LAYERS, n - 1), Segment(LAYERS, 1)),
+        return Stacking(block=(Segment(DENSE_LAYERS, n - 1), Segment(LAYERS, 1)),
                            num_blocks=model.num_layers // n,
                            trailing=(Segment(TRAILING, model.num_layers % n),),
                            routed=(LAYERS,))
@@ -295,7 +295,7 @@ class RoutedExperts:
 
     def hf_layer(self, model: ModelConfig, stack: str, fused: bool) -> dict[tuple, HfTensor]:
         tensors = self.hf_per_layer(model)  # type: ignore[attr-defined]
-        if stack not in self.layout(model).routed:
+        if stack not in self.stacking(model).routed:
             return tensors
         tensors = {p: t for p, t in tensors.items() if p[0] != "mlp"}
         return {**tensors, **(FUSED_EXPERTS if fused else self.per_expert)}

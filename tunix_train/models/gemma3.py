@@ -24,8 +24,8 @@ from typing import Any
 from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.models import family
 from tunix_train.models.family import (ATTENTION_AND_MLP, EMBEDDING_AND_NORM, QK_NORMS,
-                                       Architecture, HfTensor, Rope, Segment, StackLayout)
-from tunix_train.models.hf_layouts import VECTOR
+                                       Architecture, HfTensor, Rope, Segment, Stacking)
+from tunix_train.models.hf_axes import VECTOR
 
 LOCAL, GLOBAL, TRAILING = "local_layers", "global_layers", "trailing_layers"
 
@@ -66,9 +66,9 @@ class Gemma3(family.Family):
     chat_turn = "<start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n"
     end_turn = "<end_of_turn>\n"
 
-    def layout(self, model: ModelConfig) -> StackLayout:
+    def stacking(self, model: ModelConfig) -> Stacking:
         blocks, trailing = divmod(model.num_layers, model.global_every)
-        return StackLayout(
+        return Stacking(
             block=(Segment(LOCAL, model.global_every - 1), Segment(GLOBAL, 1)),
             num_blocks=blocks, trailing=(Segment(TRAILING, trailing),),
             windows=((LOCAL, model.sliding_window), (TRAILING, model.sliding_window)))

@@ -1,14 +1,14 @@
 """Hugging Face safetensors ↔ our parameter tree (`nnx.to_pure_dict` of a `Decoder`), for every
-family: the family names the tensors (models/<family>.py), the layout says which HF layer is
+family: the family names the tensors (models/<family>.py), the stacking says which HF layer is
 which row of which stack.
 
 Import never materialises a whole tensor on one device: every parameter is built with
 `jax.make_array_from_callback`, and each device's shard is read straight from the files with
 safetensors' lazy `get_slice`, so a process reads only the bytes its own devices hold.
 
-Layouts: HF stores each layer's linear maps as torch `[out, in]` matrices with heads flattened
-into one axis; we keep `[in, out]` with heads as their own axes (models/hf_layouts.py), and the
-layers of each stack stacked on a leading axis (`StackLayout.placement()` says which HF layer
+Axes: HF stores each layer's linear maps as torch `[out, in]` matrices with heads flattened
+into one axis; we keep `[in, out]` with heads as their own axes (models/hf_axes.py), and the
+layers of each stack stacked on a leading axis (`Stacking.placement()` says which HF layer
 is which entry).
 """
 
@@ -27,7 +27,7 @@ import numpy as np
 
 from tunix_train.config import ConfigError, LoraConfig, ModelConfig
 from tunix_train.models import families
-from tunix_train.models.hf_layouts import Layout, hf_shape, read_box, to_hf
+from tunix_train.models.hf_axes import AxisMap, hf_shape, read_box, to_hf
 
 log = logging.getLogger("tunix_train")
 
@@ -37,7 +37,7 @@ class Entry(NamedTuple):
 
     name: str
     leaf: tuple  # our leaf path
-    layout: Layout
+    axes: AxisMap
     index: tuple[int, ...]  # which slice of our leaf's leading axes: () all of it, (row,) a
     # layer of a stack, (row, expert) one expert of a routed layer
     half: int | None = None  # of a fused HF tensor: which half of its axis 1 (HfTensor.half)
@@ -49,15 +49,15 @@ def hf_tensors(model: ModelConfig, prefix: str = "model.", fused: bool = False
     (one tensor per projection), else as the Hub's files hold them (one per expert)."""
     family = families.of(model)
     for path, tensor in family.hf_top_level(model).items():
-        yield Entry(("" if tensor.top else prefix) + tensor.name, path, tensor.layout, ())
-    for layer, (stack, row) in enumerate(families.layout(model).placement()):
+        yield Entry(("" if tensor.top else prefix) + tensor.name, path, tensor.axes, ())
+    for layer, (stack, row) in enumerate(families.stacking(model).placement()):
         for path, tensor in family.hf_layer(model, stack, fused).items():
             name = f"{prefix}layers.{layer}.{tensor.name}"
             if "{j}" in tensor.name:
                 for j in range(model.num_experts):
-                    yield Entry(name.format(j=j), (stack, *path), tensor.layout, (row, j))
+                    yield Entry(name.format(j=j), (stack, *path), tensor.axes, (row, j))
             else:
-                yield Entry(name, (stack, *path), tensor.layout, (row,), tensor.half)
+                yield Entry(name, (stack, *path), tensor.axes, (row,), tensor.half)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,8 +147,8 @@ def _load_leaf(files: CheckpointFiles, sources: list[Entry], abstract, sharding)
     dtype = abstract.dtype
 
     def read(entry: Entry, box: tuple[slice, ...]) -> np.ndarray:
-        tensor = files.tensor(entry.name, hf_shape(entry.layout, shape), entry.half)
-        return read_box(tensor, entry.layout, shape, box).astype(dtype)
+        tensor = files.tensor(entry.name, hf_shape(entry.axes, shape), entry.half)
+        return read_box(tensor, entry.axes, shape, box).astype(dtype)
 
     def callback(index: tuple[slice, ...]) -> np.ndarray:
         picked = [range(*index[a].indices(abstract.shape[a])) for a in range(lead)]
@@ -202,9 +202,9 @@ def save(params: Any, model: ModelConfig, out: Path, dtype: np.dtype, max_shard_
     weight_map = {}
     for file_name, tensors in zip(names, plan):
         shard = {}
-        for name, leaf, layout, index, _ in tensors:
+        for name, leaf, axes, index, _ in tensors:
             value = np.asarray(_get(params, leaf))[index]
-            shard[name] = np.ascontiguousarray(to_hf(layout, value).astype(dtype))
+            shard[name] = np.ascontiguousarray(to_hf(axes, value).astype(dtype))
             weight_map[name] = file_name
         save_file(shard, str(out / file_name), metadata={"format": "pt"})
     if len(plan) > 1:
@@ -241,17 +241,17 @@ def save_adapter(adapters: Any, model: ModelConfig, lora: LoraConfig, out: Path,
     host arrays, the adapters' part of our tree."""
     from safetensors.numpy import save_file
 
-    from tunix_train.models.hf_layouts import factors_to_hf
+    from tunix_train.models.hf_axes import factors_to_hf
     from tunix_train.models.layers import LORA_SUFFIX
 
     tensors, modules = {}, set()
-    for name, leaf, layout, index, _ in hf_tensors(model):
+    for name, leaf, axes, index, _ in hf_tensors(model):
         try:
             adapter = _get(adapters, (*leaf[:-1], leaf[-1] + LORA_SUFFIX))
         except (KeyError, TypeError):
             continue
         a, b = (np.asarray(adapter[k])[index] for k in "ab")
-        lora_a, lora_b = factors_to_hf(layout, a, b)
+        lora_a, lora_b = factors_to_hf(axes, a, b)
         module = name.removesuffix(".weight")
         tensors[f"{ADAPTER_PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(
             lora_a.astype(dtype))

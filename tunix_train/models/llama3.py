@@ -17,8 +17,8 @@ from typing import Any
 from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.models import family
 from tunix_train.models.family import (ATTENTION_AND_MLP, EMBEDDING_AND_NORM, UNTIED_HEAD,
-                                       Architecture, HfTensor, Rope, Segment, StackLayout)
-from tunix_train.models.hf_layouts import VECTOR
+                                       Architecture, HfTensor, Rope, Segment, Stacking)
+from tunix_train.models.hf_axes import VECTOR
 
 STACK = "layers"
 
@@ -54,8 +54,8 @@ class Llama3(family.Family):
     end_turn = "<|eot_id|>"
     unsupported = _UNSUPPORTED
 
-    def layout(self, model: ModelConfig) -> StackLayout:
-        return StackLayout(block=(Segment(STACK, 1),), num_blocks=model.num_layers)
+    def stacking(self, model: ModelConfig) -> Stacking:
+        return Stacking(block=(Segment(STACK, 1),), num_blocks=model.num_layers)
 
     def ropes(self, model: ModelConfig) -> dict[str, Rope]:
         return {STACK: Rope(model.global_rope_base, model.global_rope_scale, model.rope_type,

@@ -16,7 +16,7 @@ from typing import Any
 
 from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.models.family import HfTensor, RoutedExperts
-from tunix_train.models.hf_layouts import TRANSPOSE
+from tunix_train.models.hf_axes import TRANSPOSE
 from tunix_train.models.llama3 import Llama3
 
 # MixtralConfig's defaults, for keys a checkpoint's config.json leaves out.

@@ -137,13 +137,13 @@ def plan_blocks(tokens: int, k: int, held: int, shards: int, per_expert: int | N
 
 
 def exchanged(x_TxD: jax.Array, expert_of_A: jax.Array, k: int, blocks: Blocks,
-              layout: Callable[..., Rows], mlp: Callable[[jax.Array, Rows], jax.Array],
+              arrange: Callable[..., Rows], mlp: Callable[[jax.Array, Rows], jax.Array],
               per_expert: int | None = None) -> jax.Array:
     """Each token's k results [T, k, D] where the experts are split over devices, this device
     holding one shard of them (expert parallelism): the assignments are grouped by shard into
     a block of C rows per shard (`plan_blocks`), the blocks exchanged (models/params.py's
     `exchange`: an all-to-all), each device runs its experts' MLP on the rows it received
-    (laid out by `layout`, one of `MATMULS`), and the results travel back the same way. A
+    (laid out by `arrange`, one of `MATMULS`), and the results travel back the same way. A
     block's unused rows are padding, which no expert takes. With a capacity (`per_expert` rows
     of these T tokens per expert, as `capped` keeps them), the rows past it are dropped before
     they travel; so are the rows past a block's C (only where `plan_blocks` bounds it)."""
@@ -161,7 +161,7 @@ def exchanged(x_TxD: jax.Array, expert_of_A: jax.Array, k: int, blocks: Blocks,
         expert_of_A % held, mode="drop")
     x_QxD = model_params.exchange(sent.from_tokens(x_TxD).reshape(shards, C, D)).reshape(-1, D)
     expert_Q = model_params.exchange(expert_Q.reshape(shards, C)).reshape(-1)
-    rows = layout(expert_Q, 1, held)  # each received row its own token, of one expert
+    rows = arrange(expert_Q, 1, held)  # each received row its own token, of one expert
     y_QxD = rows.to_tokens(mlp(rows.from_tokens(x_QxD), rows), shards * C).reshape(-1, D)
     return sent.to_tokens(model_params.exchange(y_QxD.reshape(shards, C, D)).reshape(-1, D), T)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from tunix_train.config import ModelConfig
 from tunix_train.models.family import HfTensor, RoutedExperts
-from tunix_train.models.hf_layouts import TRANSPOSE
+from tunix_train.models.hf_axes import TRANSPOSE
 from tunix_train.models.qwen3 import Qwen3
 
 _HF_DEFAULTS: dict[str, Any] = {

@@ -76,8 +76,9 @@ def _fetch(param: jax.Array, target: jax.Array, how: How) -> jax.Array:
     param = to_device(param).astype(how.compute_dtype)  # offloaded: this layer's copy comes in
     if how.gather_axis is None:
         return param
-    return blockwise(lambda p: jax.lax.all_gather(p, how.gather_group, axis=how.gather_axis,
-                                                   tiled=True), how.tp_spec)(param)
+    gather = lambda p: jax.lax.all_gather(p, how.gather_group, axis=how.gather_axis,  # noqa: E731
+                                          tiled=True)
+    return per_tp_shard(gather, how.tp_spec)(param)
 
 
 def _fetch_fwd(param, target, how):
@@ -87,19 +88,20 @@ def _fetch_fwd(param, target, how):
 def _fetch_bwd(how: How, _, grad: jax.Array):
     if how.reduce:
         with jax.named_scope(SYNC_SCOPE):
-            grad = blockwise(lambda g: reduce_one(g.astype(how.reduce_dtype), how.scatter_axis,
-                                                    how.scatter_group, how.over_pp,
-                                                    how.data_group),
-                              how.tp_spec)(grad)
+            grad = per_tp_shard(lambda g: reduce_one(g.astype(how.reduce_dtype),
+                                                     how.scatter_axis, how.scatter_group,
+                                                     how.over_pp, how.data_group),
+                                how.tp_spec)(grad)
     return None, grad.astype(how.grad_dtype)
 
 
-def blockwise(collective: Callable, tp_spec: P) -> Callable:
+def per_tp_shard(collective: Callable, tp_spec: P) -> Callable:
     """`collective` (over fsdp) on this device's block of a value also sharded by `tp_spec`.
 
     Inside the shard_map only fsdp is manual; XLA would replicate a value over the other axes
     before a collective on fsdp (a tp-sharded weight gathered whole over tp, its gradient
-    reduced at full width). Making those axes manual for the collective keeps it blockwise.
+    reduced at full width). Making those axes manual for the collective keeps it to each
+    device's own block.
     """
     axes = {axis for axis in tp_spec if axis is not None}
     if not axes:
@@ -177,7 +179,7 @@ def _fetch_stage(param: jax.Array, target: jax.Array, how: How, stages: int, row
                                    tiled=True)
         return p
 
-    return blockwise(gather, how.tp_spec)(param[:stages * rows].astype(how.compute_dtype))
+    return per_tp_shard(gather, how.tp_spec)(param[:stages * rows].astype(how.compute_dtype))
 
 
 def _fetch_stage_fwd(param, target, how, stages, rows, total):
@@ -200,7 +202,7 @@ def _fetch_stage_bwd(how: How, stages: int, rows: int, total: int, _, grad: jax.
 
     if how.reduce:
         with jax.named_scope(SYNC_SCOPE):
-            grad = blockwise(cpu_safe_reduction(reduce), how.tp_spec)(
+            grad = per_tp_shard(cpu_safe_reduction(reduce), how.tp_spec)(
                 grad.astype(how.reduce_dtype))
     else:  # local and unreduced: this stage's rows in place, the others' zero
         grad = jax.lax.dynamic_update_slice_in_dim(

@@ -60,7 +60,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tunix_train.models import params as model_params
-from tunix_train.parallel.collectives import SYNC_SCOPE, Fetch, FsdpHook, How, blockwise, reduce_one
+from tunix_train.parallel.collectives import (SYNC_SCOPE, Fetch, FsdpHook, How, per_tp_shard,
+                                              reduce_one)
 from tunix_train.parallel.layout import merged
 from tunix_train.parallel.mesh import CP, DATA_AXES, EP, FSDP, PP
 from tunix_train.parallel.sharding import to_device
@@ -256,10 +257,10 @@ def _reduce_all(sync: GradientSync, grads: Any) -> Any:
     parameters every stage holds (embedding, final norm, trailing layers) have a share of their
     gradient on each stage: those shares are summed over pp too."""
     def reduce(grad, spec):
-        return blockwise(lambda g: reduce_one(g.astype(sync.reduce_dtype), _fsdp_axis(spec),
-                                                _fsdp_group(spec), _summed_over_pp(sync, spec),
-                                                sync.reduction_group(spec)),
-                          _without_fsdp(spec))(grad).astype(jnp.float32)
+        return per_tp_shard(lambda g: reduce_one(g.astype(sync.reduce_dtype), _fsdp_axis(spec),
+                                                 _fsdp_group(spec), _summed_over_pp(sync, spec),
+                                                 sync.reduction_group(spec)),
+                            _without_fsdp(spec))(grad).astype(jnp.float32)
 
     with jax.named_scope(SYNC_SCOPE):
         return jax.tree.map(reduce, grads, sync.grad_specs)

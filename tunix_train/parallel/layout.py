@@ -83,7 +83,7 @@ class Frozen:
 @dataclass(frozen=True)
 class ParamLayout:
     mesh: Mesh
-    rules: sharding.StageRules
+    rules: sharding.ZeroRules
     model: ModelConfig
     graphdef: nnx.GraphDef  # of the whole model (adapters included)
     abstract: Any  # ShapeDtypeStruct per trainable parameter (a plain nested dict)
@@ -104,7 +104,7 @@ class ParamLayout:
                lora: LoraConfig = LoraConfig()) -> ParamLayout:
         families.of(model).check(model)
         model = replace(model, moe_matmul=moe.chosen_matmul(model, mesh.shape.get(TP, 1)))
-        rules = sharding.stage_rules(model, mesh, zero_stage, pipeline_repeats)
+        rules = sharding.zero_rules(model, mesh, zero_stage, pipeline_repeats)
         graphdef, variables = nnx.split(nnx.eval_shape(
             lambda: families.build(model, nnx.Rngs(0), remat, lora)))
 

@@ -121,7 +121,7 @@ def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: dict, plan: Schedule,
     once per token of its share. (The layers after the stages also route the zero
     micro-batches past M: setup refuses the router's losses where pp does not divide M.)"""
     model = nnx.merge(graphdef, params)  # outside the blocks: the embedding, trailing layers, head
-    split = Stages.of(model.layout, plan.stages, plan.repeats)
+    split = Stages.of(model.stacking, plan.stages, plan.repeats)
     stage_stacks, after = _stage_stacks(graphdef, params, split)
     rows, length = batch["inputs"].shape
     positions = batch.get("positions")
@@ -190,7 +190,7 @@ def _stage_stacks(graphdef: nnx.GraphDef, params: Any, split: Stages
     its iterations (ZeRO-3: gathered once, their gradients reduced once after the pipeline's
     backward pass), and the model with the leftover blocks that run after the stages (None
     when there are none)."""
-    stacks = split.layout.block_stacks
+    stacks = split.stacking.block_stacks
     if not split.stored_whole:
         return {s: model_params.materialize_stack(params[s]) for s in stacks}, None
     # The stacks are stored whole over pp (sharding.resolve_rules). A circular stage's chunks

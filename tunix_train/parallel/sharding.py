@@ -67,7 +67,7 @@ _MUST_DIVIDE = ("vocab", "embed", "mlp", "experts", "expert_mlp", "q_heads")
 
 
 @dataclass(frozen=True)
-class StageRules:
+class ZeroRules:
     """The rules each kind of state follows at a ZeRO stage; `params` also drives the model's
     activation constraints."""
 
@@ -104,7 +104,7 @@ def resolve_rules(model: ModelConfig, mesh: Mesh,
         if optional not in mesh.shape:
             rules = {name: None if axis == optional else axis for name, axis in rules.items()}
     if PP in mesh.shape and rules["layers"] == PP and (
-            families.layout(model).num_blocks % mesh.shape[PP] or pipeline_repeats > 1):
+            families.stacking(model).num_blocks % mesh.shape[PP] or pipeline_repeats > 1):
         # Blocks that do not divide into the stages, or a circular schedule's stages of chunks
         # apart: the stacks are stored whole over pp and ZeRO splits them over fsdp × pp
         # instead (spread_over_ranks, parallel/pipeline.py).
@@ -135,8 +135,8 @@ _DIM_KEYS = {"vocab": "vocab_size", "embed": "embed_dim", "mlp": "hidden_dim",
              "q_heads": "num_heads"}
 
 
-def stage_rules(model: ModelConfig, mesh: Mesh, zero_stage: int,
-                pipeline_repeats: int = 1) -> StageRules:
+def zero_rules(model: ModelConfig, mesh: Mesh, zero_stage: int,
+               pipeline_repeats: int = 1) -> ZeroRules:
     rules = resolve_rules(model, mesh, pipeline_repeats)
     if FSDP in (rules["vocab"], rules["act_vocab"]):
         raise ConfigError(
@@ -147,7 +147,7 @@ def stage_rules(model: ModelConfig, mesh: Mesh, zero_stage: int,
         (name, None if axis == FSDP and not name.startswith("act_") else axis)
         for name, axis in rules.items()
     )
-    return StageRules(
+    return ZeroRules(
         params=sharded if zero_stage >= 3 else unsharded,
         grads=sharded if zero_stage >= 2 else unsharded,
         optimizer=sharded if zero_stage >= 1 else unsharded,

@@ -16,7 +16,7 @@ import numpy as np
 
 from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.models import families
-from tunix_train.models.family import StackLayout
+from tunix_train.models.family import Stacking
 from tunix_train.parallel.fsdp import GradientSync, local_gradient_bytes
 
 log = logging.getLogger(__name__)
@@ -54,20 +54,20 @@ def check_layers(model: ModelConfig, pp: int, repeats: int = 1) -> None:
                 f"model.mesh_shape={model.mesh_shape} has no pp axis; set "
                 f"training.pipeline_repeats=1 or add a pp axis.")
         return
-    layout = families.layout(model)
-    if layout.num_blocks < pp:
-        fix = (f"use a pp of at most {layout.num_blocks} or no pp axis"
-               if layout.num_blocks > 1 else "use no pp axis")
+    stacking = families.stacking(model)
+    if stacking.num_blocks < pp:
+        fix = (f"use a pp of at most {stacking.num_blocks} or no pp axis"
+               if stacking.num_blocks > 1 else "use no pp axis")
         raise ConfigError(
-            f"model.num_layers={model.num_layers} has {layout.num_blocks} block(s) of "
-            f"{layout.layers_per_block} layer(s), too few for pp={pp} pipeline stages of at "
+            f"model.num_layers={model.num_layers} has {stacking.num_blocks} block(s) of "
+            f"{stacking.layers_per_block} layer(s), too few for pp={pp} pipeline stages of at "
             f"least one block each; {fix}.")
-    if layout.num_blocks < pp * repeats:
+    if stacking.num_blocks < pp * repeats:
         raise ConfigError(
-            f"training.pipeline_repeats={repeats} cuts the {layout.num_blocks} block(s) of "
+            f"training.pipeline_repeats={repeats} cuts the {stacking.num_blocks} block(s) of "
             f"model.num_layers={model.num_layers} into pp × {repeats} = {pp * repeats} chunks, "
             f"more than there are blocks; use training.pipeline_repeats of at most "
-            f"{layout.num_blocks // pp}.")
+            f"{stacking.num_blocks // pp}.")
 
 
 @dataclass(frozen=True)
@@ -81,11 +81,11 @@ class Stages:
     repeats: int
     chunk: int
     leftover: int
-    layout: StackLayout
+    stacking: Stacking
 
     @classmethod
-    def of(cls, layout: StackLayout, pp: int, repeats: int = 1) -> "Stages":
-        return cls(pp, repeats, *divmod(layout.num_blocks, pp * repeats), layout)
+    def of(cls, stacking: Stacking, pp: int, repeats: int = 1) -> "Stages":
+        return cls(pp, repeats, *divmod(stacking.num_blocks, pp * repeats), stacking)
 
     @property
     def per_stage(self) -> int:
@@ -100,19 +100,19 @@ class Stages:
 
     @property
     def layers_per_stage(self) -> int:
-        return self.per_stage * self.layout.layers_per_block
+        return self.per_stage * self.stacking.layers_per_block
 
     @property
     def layers_per_chunk(self) -> int:
-        return self.chunk * self.layout.layers_per_block
+        return self.chunk * self.stacking.layers_per_block
 
     @property
     def layers_after(self) -> int:
-        return self.leftover * self.layout.layers_per_block + self.layout.trailing_layers
+        return self.leftover * self.stacking.layers_per_block + self.stacking.trailing_layers
 
     def rows(self, stack: str) -> int:
-        """Rows of `stack` (one of the layout's block stacks) each stage runs."""
-        return self.per_stage * self.layout.rows_per_block(stack)
+        """Rows of `stack` (one of the stacking's block stacks) each stage runs."""
+        return self.per_stage * self.stacking.rows_per_block(stack)
 
     def row_order(self, stack: str) -> np.ndarray:
         """The rows of `stack` reordered so that each stage's are consecutive, its chunks in
@@ -120,8 +120,8 @@ class Stages:
         pp, chunk = self.stages, self.chunk
         blocks = [(r * pp + s) * chunk + j for s in range(pp) for r in range(self.repeats)
                   for j in range(chunk)]
-        blocks += range(pp * self.per_stage, self.layout.num_blocks)
-        per_block = self.layout.rows_per_block(stack)
+        blocks += range(pp * self.per_stage, self.stacking.num_blocks)
+        per_block = self.stacking.rows_per_block(stack)
         return np.array([b * per_block + i for b in blocks for i in range(per_block)])
 
 
@@ -165,7 +165,7 @@ def describe(plan: Schedule | None, model: ModelConfig, rows: int) -> dict[str, 
     """The schedule as the planner records it (`rows`: per fsdp shard and micro-step)."""
     if plan is None:
         return None
-    split = Stages.of(families.layout(model), plan.stages, plan.repeats)
+    split = Stages.of(families.stacking(model), plan.stages, plan.repeats)
     return {"stages": plan.stages, "microbatches": plan.microbatches,
             "rows_per_microbatch": rows // plan.microbatches, "repeats": plan.repeats,
             "layers_per_stage": split.layers_per_stage,
@@ -195,7 +195,7 @@ def reduced_gradient_bytes(sync: GradientSync, params: Any, dtype: jnp.dtype,
     total = local_gradient_bytes(sync, params, dtype)
     if split is None or not split.stored_whole or not sync.reduces_per_layer:
         return total
-    others = 1 - (split.per_stage + split.leftover) / split.layout.num_blocks
+    others = 1 - (split.per_stage + split.leftover) / split.stacking.num_blocks
     return total - round(others * sum(
         local_gradient_bytes(dataclasses.replace(sync, grad_specs=sync.grad_specs[stack]),
-                             params[stack], dtype) for stack in split.layout.block_stacks))
+                             params[stack], dtype) for stack in split.stacking.block_stacks))

@@ -17,7 +17,7 @@ def router_loss_weights(cfg: Config) -> router_losses.LossWeights:
     """How much of a mixture of experts' router losses the training loss adds (none for a dense
     model): training.moe_aux_loss_weight, by default the model's router_aux_loss_coef."""
     t = cfg.training
-    if not families.layout(cfg.model).routed:
+    if not families.stacking(cfg.model).routed:
         return router_losses.LossWeights()
     aux = cfg.model.router_aux_loss_coef if t.moe_aux_loss_weight is None else \
         t.moe_aux_loss_weight

@@ -279,7 +279,7 @@ class Setup:
         }
         plan = self.options.pipeline
         split = None if plan is None else stages.Stages.of(
-            families.layout(self.cfg.model), plan.stages, plan.repeats)
+            families.stacking(self.cfg.model), plan.stages, plan.repeats)
         found = costs.analyse(compiled, self.options.sync, abstract["params"], model_state, split)
         held, found.reference = reference.memory(self)
         found.per_device_bytes["reference"] = held
