@@ -118,24 +118,16 @@ def write(run_dir: Path, setup, costs, compile_s: float = 0.0) -> dict[str, Any]
 
 
 def _record(setup, costs, compile_s: float) -> dict[str, Any]:
-    import jax
     import jax.numpy as jnp
 
     from tunix_train.models import families
     from tunix_train.parallel import stages
 
     cfg, per_device = setup.cfg, costs.per_device_bytes
-    on_device = per_device["total"] <= cfg.plan.device_memory_gb * GB
-    on_host = per_device["host"] <= cfg.plan.host_memory_gb * GB
     return {
         "model": cfg.model.name,
         "mesh": {name: int(size) for name, size in setup.mesh.shape.items()},
-        # The model's parameters; under LoRA the trainable adapters are "lora_params".
-        "num_params": sum(x.size for x in jax.tree.leaves(
-            setup.params.base_abstract() if cfg.lora.on else setup.params.abstract)),
-        "lora_params": (sum(x.size for x in jax.tree.leaves(setup.params.abstract))
-                        if cfg.lora.on else 0),
-        "active_params": families.active_params(cfg.model),  # per token (mixture of experts)
+        **_parameter_counts(setup),
         "lora": setup.lora_line() if cfg.lora.on else None,
         "experts": families.experts_line(setup.params.model, setup.mesh.shape.get(mesh_lib.EP, 1)),
         "zero_stage": cfg.training.zero_stage,
@@ -152,14 +144,32 @@ def _record(setup, costs, compile_s: float) -> dict[str, Any]:
         "gradient_reductions_per_step": costs.comm.gradient_reductions_per_step,
         "pipeline": stages.describe(setup.options.pipeline, cfg.model,
                                     setup.batch.rows // setup.options.sync.data_ranks),
-        "device_memory_gb": cfg.plan.device_memory_gb,
-        "host_memory_gb": cfg.plan.host_memory_gb,
-        "fits": on_device and on_host,
-        "fits_device": on_device,
-        "fits_host": on_host,
+        **_fits(cfg, per_device),
         "suggestions": suggestions(cfg, setup.batch.rows // setup.options.sync.data_ranks),
         "compile_seconds": round(compile_s, 1),
     }
+
+
+def _parameter_counts(setup) -> dict[str, int]:
+    """The model's parameters (under LoRA the trainable adapters are "lora_params") and those
+    a token uses (fewer in a mixture of experts)."""
+    import jax
+
+    from tunix_train.models import families
+
+    lora = setup.cfg.lora.on
+    count = lambda tree: sum(x.size for x in jax.tree.leaves(tree))  # noqa: E731
+    return {"num_params": count(setup.params.base_abstract() if lora else setup.params.abstract),
+            "lora_params": count(setup.params.abstract) if lora else 0,
+            "active_params": families.active_params(setup.cfg.model)}
+
+
+def _fits(cfg: Config, per_device: dict[str, int]) -> dict[str, Any]:
+    on_device = per_device["total"] <= cfg.plan.device_memory_gb * GB
+    on_host = per_device["host"] <= cfg.plan.host_memory_gb * GB
+    return {"device_memory_gb": cfg.plan.device_memory_gb,
+            "host_memory_gb": cfg.plan.host_memory_gb,
+            "fits": on_device and on_host, "fits_device": on_device, "fits_host": on_host}
 
 
 def suggestions(cfg: Config, micro_batch: int) -> list[str]:

@@ -89,50 +89,86 @@ class Job:
 
 
 def discover(env: Mapping[str, str] = os.environ) -> Job:
-    """The job this process belongs to, read from the environment only (no JAX calls)."""
-    local = dict(local_rank=int(env.get("LOCAL_RANK", 0)),
-                 local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)))
-    if int(env.get("WORLD_SIZE", 1)) > 1:
-        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK") if k not in env]
-        if missing:
-            raise ConfigError(f"WORLD_SIZE={env['WORLD_SIZE']} is set but {', '.join(missing)} "
-                              f"is not; set all of MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE.")
-        source = ("launcher" if env.get(LAUNCHER_ENV) else
-                  "torchrun" if torchrun.started_by_torchrun(env) else "env")
-        addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
-        offset = torchrun.COORDINATOR_PORT_OFFSET if source == "torchrun" else 0
-        return Job(source, f"{addr}:{port + offset}", int(env["WORLD_SIZE"]), int(env["RANK"]),
-                   **local, handshake=f"{addr}:{port + 1}")
-    if int(env.get("JAX_NUM_PROCESSES", 1)) > 1:
-        coordinator = env.get("JAX_COORDINATOR_ADDRESS")
-        handshake = None
-        if coordinator:
-            host, port = coordinator.rsplit(":", 1)
-            handshake = f"{host}:{int(port) + 1}"
-        return Job("jax", coordinator, int(env["JAX_NUM_PROCESSES"]),
-                   int(env.get("JAX_PROCESS_ID", 0)), **local, handshake=handshake)
-    if int(env.get("SUBMITIT_LOCAL_NTASKS", 1)) > 1:  # one node, tasks numbered 0..n-1
-        tasks = int(env["SUBMITIT_LOCAL_NTASKS"])
-        rank = int(env.get("SUBMITIT_LOCAL_GLOBALID", 0))
-        return Job("submitit", f"127.0.0.1:{submitit_port(env['SUBMITIT_LOCAL_JOB_ID'])}",
-                   tasks, rank, rank, tasks)
-    slurm_job = f"slurm-{env['SLURM_JOB_ID']}" if env.get("SLURM_JOB_ID") else ""
-    if int(env.get("OMPI_COMM_WORLD_SIZE", 1)) > 1:  # mpirun, inside a SLURM job or not
-        mpirun_job = env.get("OMPI_MCA_orte_hnp_uri", "").split(".", 1)[0]  # "44105728.0;tcp…"
-        return Job("mpi", None, int(env["OMPI_COMM_WORLD_SIZE"]),
-                   int(env.get("OMPI_COMM_WORLD_RANK", 0)),
-                   int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)),
-                   int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", 1)),
-                   slurm_job or (f"mpi-{mpirun_job}" if mpirun_job else ""))
-    if int(env.get("SLURM_NTASKS", 1)) > 1:
-        if "SLURM_STEP_NODELIST" not in env:
-            raise ConfigError(
-                f"SLURM_NTASKS={env['SLURM_NTASKS']} but this process is not a task of srun "
-                f"(no SLURM_STEP_NODELIST): in an sbatch script, start training with srun "
-                f"python run_training.py … (docs/multi_node.md, SLURM).")
-        return Job("slurm", None, int(env["SLURM_NTASKS"]), int(env["SLURM_PROCID"]),
-                   int(env.get("SLURM_LOCALID", 0)), _tasks_on_this_node(env), slurm_job)
-    return Job("single", run_name=slurm_job)
+    """The job this process belongs to, read from the environment only (no JAX calls): the
+    first of these launchers whose variables say the job has more than one process."""
+    for reader in (_torch_style, _jax_style, _submitit, _mpi, _slurm):
+        job = reader(env)
+        if job is not None:
+            return job
+    return Job("single", run_name=_slurm_job(env))
+
+
+def _torch_style(env: Mapping[str, str]) -> Job | None:
+    """torchrun, tunix_train.launch, or the variables set by hand."""
+    if int(env.get("WORLD_SIZE", 1)) <= 1:
+        return None
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK") if k not in env]
+    if missing:
+        raise ConfigError(f"WORLD_SIZE={env['WORLD_SIZE']} is set but {', '.join(missing)} "
+                          f"is not; set all of MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE.")
+    source = ("launcher" if env.get(LAUNCHER_ENV) else
+              "torchrun" if torchrun.started_by_torchrun(env) else "env")
+    addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    offset = torchrun.COORDINATOR_PORT_OFFSET if source == "torchrun" else 0
+    return Job(source, f"{addr}:{port + offset}", int(env["WORLD_SIZE"]), int(env["RANK"]),
+               **_local(env), handshake=f"{addr}:{port + 1}")
+
+
+def _jax_style(env: Mapping[str, str]) -> Job | None:
+    if int(env.get("JAX_NUM_PROCESSES", 1)) <= 1:
+        return None
+    coordinator = env.get("JAX_COORDINATOR_ADDRESS")
+    handshake = None
+    if coordinator:
+        host, port = coordinator.rsplit(":", 1)
+        handshake = f"{host}:{int(port) + 1}"
+    return Job("jax", coordinator, int(env["JAX_NUM_PROCESSES"]),
+               int(env.get("JAX_PROCESS_ID", 0)), **_local(env), handshake=handshake)
+
+
+def _submitit(env: Mapping[str, str]) -> Job | None:
+    """submitit's local executor: one node, tasks numbered 0..n-1."""
+    if int(env.get("SUBMITIT_LOCAL_NTASKS", 1)) <= 1:
+        return None
+    tasks = int(env["SUBMITIT_LOCAL_NTASKS"])
+    rank = int(env.get("SUBMITIT_LOCAL_GLOBALID", 0))
+    return Job("submitit", f"127.0.0.1:{submitit_port(env['SUBMITIT_LOCAL_JOB_ID'])}",
+               tasks, rank, rank, tasks)
+
+
+def _mpi(env: Mapping[str, str]) -> Job | None:
+    """mpirun, inside a SLURM job or not."""
+    if int(env.get("OMPI_COMM_WORLD_SIZE", 1)) <= 1:
+        return None
+    mpirun_job = env.get("OMPI_MCA_orte_hnp_uri", "").split(".", 1)[0]  # "44105728.0;tcp…"
+    return Job("mpi", None, int(env["OMPI_COMM_WORLD_SIZE"]),
+               int(env.get("OMPI_COMM_WORLD_RANK", 0)),
+               int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)),
+               int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", 1)),
+               _slurm_job(env) or (f"mpi-{mpirun_job}" if mpirun_job else ""))
+
+
+def _slurm(env: Mapping[str, str]) -> Job | None:
+    """srun's tasks."""
+    if int(env.get("SLURM_NTASKS", 1)) <= 1:
+        return None
+    if "SLURM_STEP_NODELIST" not in env:
+        raise ConfigError(
+            f"SLURM_NTASKS={env['SLURM_NTASKS']} but this process is not a task of srun "
+            f"(no SLURM_STEP_NODELIST): in an sbatch script, start training with srun "
+            f"python run_training.py … (docs/multi_node.md, SLURM).")
+    return Job("slurm", None, int(env["SLURM_NTASKS"]), int(env["SLURM_PROCID"]),
+               int(env.get("SLURM_LOCALID", 0)), _tasks_on_this_node(env), _slurm_job(env))
+
+
+def _local(env: Mapping[str, str]) -> dict[str, int]:
+    return dict(local_rank=int(env.get("LOCAL_RANK", 0)),
+                local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)))
+
+
+def _slurm_job(env: Mapping[str, str]) -> str:
+    """The run name a SLURM job gives its processes ("" outside one)."""
+    return f"slurm-{env['SLURM_JOB_ID']}" if env.get("SLURM_JOB_ID") else ""
 
 
 def submitit_port(job_id: str) -> int:

@@ -98,16 +98,22 @@ def rotate(stage_fn: Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array
     carry = (jnp.zeros_like(inputs_MxBxLxD[0]),
              jnp.zeros_like(inputs_MxBxLxD) if rounds > 1 else None)
     _, (ys, sums) = jax.lax.scan(iteration, carry, jnp.arange(plan.iterations), unroll=unroll)
+    return _spread_outputs(ys, plan, stage), jax.tree.map(lambda v: jnp.sum(v, axis=0), sums)
+
+
+def _spread_outputs(ys: jax.Array, plan: Schedule, stage: jax.Array) -> jax.Array:
+    """This stage's share of the last stage's final outputs, from every stage's outputs at
+    every iteration (`ys`): micro-batches [s·k, (s+1)·k), zero past M."""
+    last, M = plan.stages - 1, plan.microbatches
     # The last stage finishes micro-batch m's last round at iteration (v - 1)·M + m + pp - 1.
-    outputs = ys[(rounds - 1) * M + last:]
+    outputs = ys[(plan.repeats - 1) * M + last:]
     slots = plan.per_stage * plan.stages
     outputs = jnp.concatenate([outputs, jnp.zeros((slots - M, *outputs.shape[1:]),
                                                    outputs.dtype)])
     # Only the last stage's buffer holds outputs: summing with the others' zeros scatters them.
     outputs = jnp.where(stage == last, outputs, jnp.zeros_like(outputs))
-    spread = cpu_safe_reduction(
+    return cpu_safe_reduction(
         lambda x: jax.lax.psum_scatter(x, PP, scatter_dimension=0, tiled=True))(outputs)
-    return spread, jax.tree.map(lambda v: jnp.sum(v, axis=0), sums)
 
 
 def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: dict, plan: Schedule,
@@ -123,12 +129,7 @@ def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: dict, plan: Schedule,
     model = nnx.merge(graphdef, params)  # outside the blocks: the embedding, trailing layers, head
     split = Stages.of(model.stacking, plan.stages, plan.repeats)
     stage_stacks, after = _stage_stacks(graphdef, params, split)
-    rows, length = batch["inputs"].shape
-    positions = batch.get("positions")
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(length), (rows, length))
-    segments = batch.get("segment_ids")
-    ropes = model.rope(positions)  # once for all micro-batches, not at every iteration
+    ropes, segments = _ropes_and_segments(model, batch)
     ropes_M = jax.tree.map(lambda t: _micro_batches(t, plan), ropes)
     segments_M = None if segments is None else _micro_batches(segments, plan)
 
@@ -140,7 +141,7 @@ def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: dict, plan: Schedule,
 
     embedded = _micro_batches(model.embed(batch["inputs"]), plan)
     outputs, stats = rotate(stage_fn, embedded, plan, model.cfg.unroll_layers)
-    hidden = outputs.reshape(-1, length, outputs.shape[-1])
+    hidden = outputs.reshape(-1, batch["inputs"].shape[1], outputs.shape[-1])
     share = lambda x: None if x is None else _stage_share(x, plan)  # noqa: E731
     hidden, more_stats = _after_stages(model, after, hidden, jax.tree.map(share, ropes),
                                        share(segments))
@@ -153,6 +154,16 @@ def loss_sums(graphdef: nnx.GraphDef, params: Any, batch: dict, plan: Schedule,
     loss_sum, metrics = router_losses.with_losses(jnp.sum(token_loss * weights), tokens, stats,
                                                   router)
     return loss_sum, {"tokens": tokens, **metrics}
+
+
+def _ropes_and_segments(model: Any, batch: dict) -> tuple[Any, jax.Array | None]:
+    """The whole batch's RoPE tables (once for all micro-batches, not at every iteration) and
+    segment ids (None: one sequence per row)."""
+    rows, length = batch["inputs"].shape
+    positions = batch.get("positions")
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(length), (rows, length))
+    return model.rope(positions), batch.get("segment_ids")
 
 
 def _after_stages(model: nnx.Module, after: nnx.Module | None, hidden: jax.Array, ropes: Any,

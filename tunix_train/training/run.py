@@ -94,10 +94,7 @@ def run(cfg: Config, run_dir: Path, task: type[Task] = Task,
         writer = MetricsWriter(run_dir, cfg.logging, cfg.training.steps, first_step, trackers)
         log_startup(setup, state, writer)
         work.start(state, writer, first_step)
-        step = work.step(_compiled_train_step(setup, work, writer, run_dir))
-        if cfg.training.profile_communication:
-            step = profiling.traced(step, run_dir / "tensorboard", cfg.training.steps)
-        evaluate = work.evaluator()
+        step, evaluate = _step_and_evaluation(setup, work, writer, run_dir)
         if first_step == 0 and evaluate is not None:
             _initial_evaluation(state, evaluate, writer)
         checkpoints = Checkpoints(run_dir, cfg.checkpoint)  # after a restore set damaged steps aside
@@ -117,6 +114,16 @@ def run(cfg: Config, run_dir: Path, task: type[Task] = Task,
         if writer is not None:
             writer.close(status)
     return summary
+
+
+def _step_and_evaluation(setup: Setup, work: Task, writer: MetricsWriter, run_dir: Path
+                         ) -> tuple[Callable, Callable | None]:
+    """The trainer's step around the compiled train step (traced for the communication profile
+    when asked), and its evaluation (None: it has none)."""
+    step = work.step(_compiled_train_step(setup, work, writer, run_dir))
+    if setup.cfg.training.profile_communication:
+        step = profiling.traced(step, run_dir / "tensorboard", setup.cfg.training.steps)
+    return step, work.evaluator()
 
 
 def already_complete(step: int) -> dict[str, Any]:
@@ -189,13 +196,24 @@ def others(values: dict[str, float]) -> str:
 
 
 def log_startup(setup: Setup, state, writer: MetricsWriter) -> None:
-    cfg, mesh, b = setup.cfg, setup.mesh, setup.batch
+    """The start-up facts (docs/monitoring.md), logged and written to TensorBoard."""
+    lines = _startup_lines(setup) + [_parameters_line(setup.cfg, state["params"])]
+    for line in lines:
+        log.info(line)
+    if backend.is_cpu() and mesh_lib.nvidia_gpus_present():
+        log.warning("this machine has NVIDIA GPUs but JAX runs on the CPU: install JAX's CUDA "
+                    "wheels with pip install -c constraints.txt -e '.[cuda]' (README)")
+    writer.text("mesh", "\n".join(lines))
+    writer.text("config", OmegaConf.to_yaml(OmegaConf.structured(setup.cfg)))  # text, not parsing
+
+
+def _startup_lines(setup: Setup) -> list[str]:
+    """The model, devices, mesh, batch and precision; LoRA, the pipeline and the experts where
+    the run has them."""
+    cfg, mesh, b, m = setup.cfg, setup.mesh, setup.batch, setup.cfg.model
     devices = jax.devices()
     ranks = setup.options.sync.data_ranks
     data = " × ".join(f"{a} {mesh.shape[a]}" for a in mesh_lib.DATA_AXES if a in mesh.shape)
-    count = sum(x.size for x in jax.tree.leaves(state["params"]))
-    total, per_device = state_lib.param_bytes(state["params"])
-    m = cfg.model
     lines = [
         f"model: {m.name} ({families.of(m).display}: {m.num_layers} layers, d {m.embed_dim}, "
         f"{m.num_heads} heads ({m.num_kv_heads} KV) of {m.head_dim}, vocab {m.vocab_size}, "
@@ -209,24 +227,18 @@ def log_startup(setup: Setup, state, writer: MetricsWriter) -> None:
         f"precision: compute {jnp.dtype(setup.options.compute_dtype).name}, "
         f"master weights and optimizer state float32; zero_stage {cfg.training.zero_stage}",
     ]
-    if cfg.lora.on:
-        lines.append(setup.lora_line())
-    pipeline = stages.describe(setup.options.pipeline, cfg.model, b.rows // ranks)
-    if pipeline:
-        lines.append(stages.line(pipeline))
-    experts = families.experts_line(setup.params.model, mesh.shape.get(mesh_lib.EP, 1))
-    if experts:
-        lines.append(experts)
-    for line in lines:
-        log.info(line)
-    if backend.is_cpu() and mesh_lib.nvidia_gpus_present():
-        log.warning("this machine has NVIDIA GPUs but JAX runs on the CPU: install JAX's CUDA "
-                    "wheels with pip install -c constraints.txt -e '.[cuda]' (README)")
+    pipeline = stages.describe(setup.options.pipeline, m, b.rows // ranks)
+    optional = [setup.lora_line() if cfg.lora.on else None,
+                stages.line(pipeline) if pipeline else None,
+                families.experts_line(setup.params.model, mesh.shape.get(mesh_lib.EP, 1))]
+    return lines + [line for line in optional if line]
+
+
+def _parameters_line(cfg: Config, params: Any) -> str:
+    count = sum(x.size for x in jax.tree.leaves(params))
+    total, per_device = state_lib.param_bytes(params)
     active = families.active_params(cfg.model)
-    lines.append(f"parameters: {count:,} ({total / 1e6:.1f} MB fp32); per device "
-                 f"{per_device / 1e6:.1f} MB"
-                 + (f"; {active:,} active per token" if active != families.count_params(
-                     cfg.model) else ""))
-    log.info(lines[-1])
-    writer.text("mesh", "\n".join(lines))
-    writer.text("config", OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # text, not parsing
+    return (f"parameters: {count:,} ({total / 1e6:.1f} MB fp32); per device "
+            f"{per_device / 1e6:.1f} MB"
+            + (f"; {active:,} active per token" if active != families.count_params(cfg.model)
+               else ""))
