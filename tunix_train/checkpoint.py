@@ -42,6 +42,7 @@ from orbax.checkpoint._src.metadata import array_metadata_store
 
 from tunix_train import checkpoint_fit
 from tunix_train.config import CheckpointConfig, ConfigError
+from tunix_train.paths import StorageError
 
 log = logging.getLogger("tunix_train")
 
@@ -77,10 +78,6 @@ def _first_replica_array_handler() -> None:
 
 
 _first_replica_array_handler()
-
-
-class StorageError(OSError):
-    """A checkpoint could not be read for a reason other than damage; nothing was moved."""
 
 
 class _Manager(ocp.CheckpointManager):

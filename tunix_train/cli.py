@@ -19,9 +19,9 @@ from omegaconf import DictConfig, OmegaConf
 from tunix_train import overrides as overrides_lib
 from tunix_train import paths
 from tunix_train import validation
-from tunix_train.checkpoint import StorageError
 from tunix_train.config import Config, ConfigError
 from tunix_train.data import sources
+from tunix_train.paths import StorageError
 from tunix_train.parallel import torchrun
 from tunix_train.parallel.rendezvous import PeersError
 
@@ -202,14 +202,14 @@ def run_training(cfg: DictConfig, run_dir: str, hooks=None) -> None:
     """`hooks`: tests/faulty_training.py's fault injection; run_training.py passes none."""
     from hydra.core.hydra_config import HydraConfig
 
-    # After Hydra set up logging and the run dir:
-    from tunix_train.training import run as run_lib
-
     hydra = HydraConfig.get()
     with user_errors(), refused_leaves_no_run_dir(Path(run_dir), Path(hydra.runtime.cwd)):
         config = typed(cfg, hydra.overrides.task, Path(hydra.runtime.cwd))
         validation.validate(config)
         sources.check_records(config.data)  # parses JSON lines files (first lines if large)
+        # Only now: a refused value is told before the training code (Orbax, Flax) is imported.
+        from tunix_train.training import run as run_lib
+
         nexts = NextCommands.of(hydra.overrides.task, Path(run_dir), Path(hydra.runtime.cwd))
         summary = run_lib.run(config, Path(run_dir), task_of(config.trainer.name),
                               hooks or run_lib.StepHooks())

@@ -18,6 +18,12 @@ HF_PREFIX = "hf:"
 _TOKENIZER_KINDS = ("sentencepiece:", "hf:")
 
 
+class StorageError(OSError):
+    """A checkpoint could not be read for a reason other than damage; nothing was moved
+    (checkpoint.py raises it; here, below the commands, so that they catch it without
+    importing Orbax and JAX before a bad override is refused)."""
+
+
 def absolute(path: str, base: Path) -> str:
     """`path` (`~` expanded, globs kept) made absolute against `base`; absolute paths stay."""
     expanded = os.path.expanduser(path)

@@ -12,12 +12,17 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from tunix_train.config import ConfigError, ModelConfig
-from tunix_train.models import families
-from tunix_train.models.family import Family
 from tunix_train.paths import HF_PREFIX
+
+if TYPE_CHECKING:
+    from tunix_train.models.family import Family
+
+# The families (and Flax with them) are imported where a checkpoint's config is read or written,
+# not at the top: cli.typed imports this module to check a command's config, and a refused
+# value is told before the model code loads.
 
 # ModelConfig keys that are not the checkpoint's to decide: the command's own.
 RUNTIME_KEYS = ("name", "init_from", "mesh_shape", "sharding_rules", "attention_impl",
@@ -46,6 +51,8 @@ def checkpoint_dir(init_from: str) -> Path:
 def read(path: Path) -> tuple[Family, dict[str, Any]]:
     """The family of the checkpoint at `path` and its (text) model's config.json entries,
     with the family's defaults filled in."""
+    from tunix_train.models import families
+
     raw = json.loads((path / "config.json").read_text())
     text = raw.get("text_config", raw) if raw.get("model_type") == "gemma3" else raw
     if "model_type" not in text and "text_config" in raw:
@@ -98,6 +105,8 @@ def _same(a: Any, b: Any) -> bool:
 
 def to_hf(model: ModelConfig, token_ids: dict[str, int] | None = None) -> dict[str, Any]:
     """A `<Family>ForCausalLM` config.json for `model`."""
+    from tunix_train.models import families
+
     family = families.of(model)
     return {"architectures": list(family.architectures), **family.to_hf(model),
             **(token_ids if token_ids is not None else family.default_token_ids)}
