@@ -8,6 +8,7 @@ from collections import namedtuple
 import pytest
 
 from tunix_train.parallel import distributed
+from tunix_train.parallel import job as job_lib
 from tunix_train.parallel import mesh as mesh_lib
 from tunix_train.parallel import torchrun
 from tunix_train.config import ConfigError, DistributedConfig
@@ -18,14 +19,14 @@ FakeDevice = namedtuple("FakeDevice", "id process_index device_kind")
 def test_launcher_and_torchrun_variables():
     env = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "RANK": "5", "WORLD_SIZE": "8",
            "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
-    job = distributed.discover(env)
-    assert job == distributed.Job("env", "10.0.0.1:29500", 8, 5, 1, 4,  # not our launcher
+    job = job_lib.discover(env)
+    assert job == job_lib.Job("env", "10.0.0.1:29500", 8, 5, 1, 4,  # not our launcher
                                   handshake="10.0.0.1:29501")
     args = distributed._initialize_args(DistributedConfig(init_timeout_s=7), job)
     assert args["local_device_ids"] == [1]  # one process per GPU
     assert args["process_id"] == 5 and args["initialization_timeout"] > 7
     # torchrun's store owns MASTER_PORT: the run dir's handshake and JAX's coordinator go above
-    torchrun = distributed.discover({**env, "TORCHELASTIC_RUN_ID": "abc"})
+    torchrun = job_lib.discover({**env, "TORCHELASTIC_RUN_ID": "abc"})
     assert (torchrun.source, torchrun.coordinator, torchrun.handshake) == (
         "torchrun", "10.0.0.1:29502", "10.0.0.1:29501")
     assert torchrun.describe() == "started by torchrun"
@@ -34,30 +35,30 @@ def test_launcher_and_torchrun_variables():
 
 
 def test_jax_variables_and_cluster_detection():
-    job = distributed.discover({"JAX_COORDINATOR_ADDRESS": "h:1234", "JAX_NUM_PROCESSES": "2",
+    job = job_lib.discover({"JAX_COORDINATOR_ADDRESS": "h:1234", "JAX_NUM_PROCESSES": "2",
                                 "JAX_PROCESS_ID": "1"})
     assert (job.source, job.coordinator, job.num_processes, job.process_id, job.handshake) == (
         "jax", "h:1234", 2, 1, "h:1235")
-    slurm = distributed.discover({"SLURM_JOB_ID": "77", "SLURM_NTASKS": "7", "SLURM_PROCID": "5",
+    slurm = job_lib.discover({"SLURM_JOB_ID": "77", "SLURM_NTASKS": "7", "SLURM_PROCID": "5",
                                   "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
                                   "SLURM_STEP_NODELIST": "node[1-3]",
                                   "SLURM_STEP_TASKS_PER_NODE": "3(x2),1"})
-    assert slurm == distributed.Job("slurm", None, 7, 5, 1, 1, "slurm-77")  # node 2: 1 task
+    assert slurm == job_lib.Job("slurm", None, 7, 5, 1, 1, "slurm-77")  # node 2: 1 task
     assert slurm.describe() == "SLURM job 77, task 5 of 7"
     mpi_env = {"OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_RANK": "3",
                "OMPI_COMM_WORLD_LOCAL_RANK": "3", "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
                "OMPI_MCA_orte_hnp_uri": "441057280.0;tcp://10.0.0.2:43517"}
-    mpi = distributed.discover(mpi_env)
-    assert mpi == distributed.Job("mpi", None, 8, 3, 3, 4, "mpi-441057280")
+    mpi = job_lib.discover(mpi_env)
+    assert mpi == job_lib.Job("mpi", None, 8, 3, 3, 4, "mpi-441057280")
     assert mpi.describe() == "Open MPI rank 3 of 8"
-    in_slurm = distributed.discover({**mpi_env, "SLURM_JOB_ID": "5", "SLURM_NTASKS": "8"})
+    in_slurm = job_lib.discover({**mpi_env, "SLURM_JOB_ID": "5", "SLURM_NTASKS": "8"})
     assert in_slurm.run_name == "slurm-5"  # mpirun in a batch job: requeued, it finds its run
     for job in (slurm, mpi):
         args = distributed._initialize_args(DistributedConfig(), job)
         assert "coordinator_address" not in args  # JAX's own SLURM / Open MPI detection
         assert "local_device_ids" not in args
-    assert distributed.discover({}) == distributed.Job("single")
-    assert distributed.discover({"SLURM_JOB_ID": "9", "SLURM_NTASKS": "1"}).run_name == "slurm-9"
+    assert job_lib.discover({}) == job_lib.Job("single")
+    assert job_lib.discover({"SLURM_JOB_ID": "9", "SLURM_NTASKS": "1"}).run_name == "slurm-9"
 
 
 def test_a_submitit_local_task_joins_its_jobs_coordinator_on_this_machine():
@@ -66,9 +67,9 @@ def test_a_submitit_local_task_joins_its_jobs_coordinator_on_this_machine():
     env = {"SUBMITIT_LOCAL_NTASKS": "2", "SUBMITIT_LOCAL_GLOBALID": "1",
            "SUBMITIT_LOCAL_LOCALID": "1", "SUBMITIT_LOCAL_JOB_ID": "123456",
            "SUBMITIT_EXECUTOR": "local", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
-    job = distributed.discover(env)
-    assert job == distributed.Job("submitit", "127.0.0.1:23456", 2, 1, 1, 2)
-    assert distributed.discover({**env, "SUBMITIT_LOCAL_GLOBALID": "0"}).coordinator == \
+    job = job_lib.discover(env)
+    assert job == job_lib.Job("submitit", "127.0.0.1:23456", 2, 1, 1, 2)
+    assert job_lib.discover({**env, "SUBMITIT_LOCAL_GLOBALID": "0"}).coordinator == \
         job.coordinator
     assert job.describe() == "submitit local job, task 1 of 2"
     args = distributed._initialize_args(DistributedConfig(), job, env)
@@ -78,18 +79,18 @@ def test_a_submitit_local_task_joins_its_jobs_coordinator_on_this_machine():
                                            {**env, "CUDA_VISIBLE_DEVICES": ""})
     assert "local_device_ids" not in no_gpus  # gpus_per_node=0: CUDA sees none
     single = {**env, "SUBMITIT_LOCAL_NTASKS": "1", "SUBMITIT_LOCAL_GLOBALID": "0"}
-    assert distributed.discover(single).source == "single"
+    assert job_lib.discover(single).source == "single"
 
 
 def test_python_started_by_an_sbatch_script_without_srun_is_told_to_use_srun():
     with pytest.raises(ConfigError, match="SLURM_NTASKS=4 but this process is not a task of "
                                           "srun .* start training with srun python"):
-        distributed.discover({"SLURM_JOB_ID": "8", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"})
+        job_lib.discover({"SLURM_JOB_ID": "8", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"})
 
 
 def test_incomplete_launcher_variables_are_a_config_error():
     with pytest.raises(ConfigError, match="MASTER_ADDR, MASTER_PORT is not"):
-        distributed.discover({"WORLD_SIZE": "2", "RANK": "0"})
+        job_lib.discover({"WORLD_SIZE": "2", "RANK": "0"})
 
 
 def test_mixed_device_kinds_are_refused_by_name():
@@ -219,7 +220,7 @@ def test_processes_writing_to_different_run_dirs_are_refused_by_name(monkeypatch
 def test_a_cluster_task_uses_the_gpus_slurm_gave_it(visible, per_task, local, rank, want):
     """Not JAX's default under SLURM / Open MPI (the GPU numbered by the local rank), which
     fails on a task bound to one GPU and idles 3 of 4 GPUs of a task alone on its node."""
-    job = distributed.Job("slurm", None, 8, rank, rank, local, "slurm-1")
+    job = job_lib.Job("slurm", None, 8, rank, rank, local, "slurm-1")
     env = {"CUDA_VISIBLE_DEVICES": visible, **({"SLURM_GPUS_PER_TASK": per_task} if per_task
                                                else {})}
     assert distributed.cluster_device_ids(job, env) == want

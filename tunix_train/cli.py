@@ -101,9 +101,9 @@ def agreed_run_dir(overrides: Sequence[str]) -> str | None:
     started, `${now:}` is read once. Under SLURM or mpirun, unless hydra.run.dir is given:
     outputs/<experiment>/slurm-<job id> (the same for the job requeued) or mpi-<job id>.
     None for any other kind of start."""
-    from tunix_train.parallel import distributed, rendezvous
+    from tunix_train.parallel import job as job_lib, rendezvous
 
-    job = distributed.discover()
+    job = job_lib.discover()
     if job.run_name and not any(o.startswith("hydra.run.dir=") for o in overrides):
         name = OmegaConf.select(overrides_lib.compose_checked(overrides), "experiment.name")
         return paths.absolute(f"outputs/{name}/{job.run_name}", Path.cwd())
@@ -277,19 +277,19 @@ class NextCommands:
 
     @classmethod
     def of(cls, overrides: Sequence[str], run_dir: Path, cwd: Path) -> "NextCommands":
-        from tunix_train.parallel import distributed
+        from tunix_train.parallel import job as job_lib
         from tunix_train.parallel.launcher import LAUNCHER_ENV
 
         shown = os.path.relpath(run_dir, cwd) if run_dir.resolve().is_relative_to(
             cwd.resolve()) else str(run_dir)
         kept = [o for o in overrides if not o.startswith(("hydra.run.dir=", "training.steps="))]
-        start, job = "python run_training.py", distributed.discover()
+        start, job = "python run_training.py", job_lib.discover()
         if os.environ.get(LAUNCHER_ENV):
             start = (f"python -m tunix_train.launch --nprocs="
                      f"{os.environ.get('LOCAL_WORLD_SIZE', 1)} run_training.py")
         else:
             start = _scheduler_start(job) or start
-        if job.source not in distributed.SCHEDULED:  # a job's script holds its environment
+        if job.source not in job_lib.SCHEDULED:  # a job's script holds its environment
             start = " ".join([*_environment(job), start])
         return cls([shlex.quote(o) for o in kept], shown, start)
 
