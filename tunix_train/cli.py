@@ -16,6 +16,7 @@ from typing import Iterator, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
+from tunix_train import gc_policy
 from tunix_train import overrides as overrides_lib
 from tunix_train import paths
 from tunix_train import validation
@@ -131,6 +132,17 @@ def tool_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def jax_logs_through_ours() -> None:
+    """After JAX's first import in a process whose logging is set up (Hydra's job logging sets
+    the "jax" logger to WARNING): JAX then adds a stderr handler of its own to its loggers, and
+    each of its lines would be printed twice, once there and once by the run's handlers, which
+    its records reach anyway. Our logging config gives those loggers no handler of their own."""
+    for name in ("jax", "jaxlib"):
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            logger.removeHandler(handler)
+
+
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
     """A ConfigError is the user's to fix, a halt on NaN the run's: one sentence, no traceback."""
@@ -210,6 +222,8 @@ def run_training(cfg: DictConfig, run_dir: str, hooks=None) -> None:
         # Only now: a refused value is told before the training code (Orbax, Flax) is imported.
         from tunix_train.training import run as run_lib
 
+        jax_logs_through_ours()
+        gc_policy.collect_less_often()  # what those imports made, frozen as the entry's were
         nexts = NextCommands.of(hydra.overrides.task, Path(run_dir), Path(hydra.runtime.cwd))
         summary = run_lib.run(config, Path(run_dir), task_of(config.trainer.name),
                               hooks or run_lib.StepHooks())
