@@ -125,22 +125,23 @@ class BelowError(logging.Filter):
         return record.levelno < logging.ERROR
 
 
+class JaxWarningsOnly(logging.Filter):
+    """JAX's records below WARNING are not shown. A filter on our handlers, not a level on the
+    "jax" logger: JAX, imported after logging is set up, takes a level set there as its
+    `jax_logging_level`, and then prints each of its lines a second time, through a stderr
+    handler of its own."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or \
+            record.name.partition(".")[0] not in ("jax", "jaxlib")
+
+
 def tool_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(levelname)s] %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr, force=True)
-    for noisy in ("absl", "jax"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-def jax_logs_through_ours() -> None:
-    """After JAX's first import in a process whose logging is set up (Hydra's job logging sets
-    the "jax" logger to WARNING): JAX then adds a stderr handler of its own to its loggers, and
-    each of its lines would be printed twice, once there and once by the run's handlers, which
-    its records reach anyway. Our logging config gives those loggers no handler of their own."""
-    for name in ("jax", "jaxlib"):
-        logger = logging.getLogger(name)
-        for handler in list(logger.handlers):
-            logger.removeHandler(handler)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(JaxWarningsOnly())
+    logging.getLogger("absl").setLevel(logging.WARNING)
 
 
 @contextlib.contextmanager
@@ -222,7 +223,6 @@ def run_training(cfg: DictConfig, run_dir: str, hooks=None) -> None:
         # Only now: a refused value is told before the training code (Orbax, Flax) is imported.
         from tunix_train.training import run as run_lib
 
-        jax_logs_through_ours()
         gc_policy.collect_less_often()  # what those imports made, frozen as the entry's were
         nexts = NextCommands.of(hydra.overrides.task, Path(run_dir), Path(hydra.runtime.cwd))
         summary = run_lib.run(config, Path(run_dir), task_of(config.trainer.name),
