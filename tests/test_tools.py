@@ -97,9 +97,9 @@ def test_a_run_trained_with_sentencepiece_generates_and_exports_with_it(tmp_path
 
     # An id of the model's padded vocabulary rows (500-511 here) has no text and does not fail
     # (the tokenizer has 500 pieces, the model 512 rows).
-    from tunix_train import generate as generate_lib
+    from tunix_train.inference.sampler import Sampler
 
-    monkeypatch.setattr(generate_lib.Sampler, "__call__", lambda *a, **k: [[510, 100, 505]])
+    monkeypatch.setattr(Sampler, "__call__", lambda *a, **k: [[510, 100, 505]])
     assert generate(cli.compose(argv))["text"] == tokenizer.decode([100])
 
     export(cli.compose([f"checkpoint.resume_from={run}", f"export.path={tmp_path / 'out'}"]))

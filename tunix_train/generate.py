@@ -1,25 +1,29 @@
 """`python -m tunix_train.generate <model/checkpoint overrides> generate.prompt="…"`
 
 Loads weights (`checkpoint.resume_from=<run dir>` or `model.init_from=hf:<dir>`), runs the
-compiled KV-cache sampler (tunix_train/inference/sampler.py) on one prompt and prints the completion; the
-last line printed is JSON `{"ids": [...], "text": "..."}` (`ids` = the new tokens only).
+compiled KV-cache sampler (tunix_train/inference/sampler.py) on one prompt and prints the
+completion; the last line printed is JSON `{"ids": [...], "text": "..."}` (`ids` = the new
+tokens only).
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from tunix_train import cli, gc_policy, validation
-from tunix_train.inference import weights
 from tunix_train.config import Config, ConfigError
 from tunix_train.data import tokenizer as tokenizer_lib
-from tunix_train.inference.sampler import Sampler, SamplingOptions
+
+if TYPE_CHECKING:  # JAX, Flax and Orbax are imported once the values are checked
+    from tunix_train.inference.sampler import SamplingOptions
 
 
 def tokenizer(cfg: Config, chosen: bool = False) -> tokenizer_lib.Tokenizer | None:
     """The weights' tokenizer (see `weights.tokenizer_source`); None for `data.tokenizer=none`."""
+    from tunix_train.inference import weights
+
     source = weights.tokenizer_source(cfg, chosen)
     return None if source == "none" else tokenizer_lib.open_tokenizer(source)
 
@@ -47,9 +51,9 @@ def prompt_ids(cfg: Config, tok: tokenizer_lib.Tokenizer | None) -> list[int]:
 
 
 def options(cfg: Config, tok: tokenizer_lib.Tokenizer | None) -> SamplingOptions:
+    from tunix_train.inference.sampler import SamplingOptions
+
     g = cfg.generate
-    if g.temperature < 0 or g.top_k < 0:
-        raise ConfigError("generate.temperature and generate.top_k must be >= 0.")
     eos = g.eos_id
     if eos is None:
         eos = -1 if tok is None or tok.eos_id is None else tok.eos_id
@@ -60,7 +64,10 @@ def generate(cfg: Config, explicit: Iterable[str] = (),
              tokenizer_chosen: bool = False) -> dict[str, Any]:
     """`explicit`: model keys given on the command line; `tokenizer_chosen`: so was
     `data.tokenizer` (else the weights' own tokenizer is used)."""
-    validation.check_values(cfg, ("generate",))  # before any weights are read
+    validation.check_values(cfg, ("generate",))  # before any weights are read, or JAX imported
+    from tunix_train.inference import weights
+    from tunix_train.inference.sampler import Sampler
+
     tok = tokenizer(cfg, tokenizer_chosen)
     ids = prompt_ids(cfg, tok)
     sampling = options(cfg, tok)

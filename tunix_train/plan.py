@@ -30,7 +30,6 @@ from omegaconf import DictConfig
 
 from tunix_train import cli, gc_policy, validation
 from tunix_train.config import Config, ConfigError, register_configs
-from tunix_train.parallel import mesh as mesh_lib
 
 log = logging.getLogger("tunix_train")
 register_configs()
@@ -42,6 +41,8 @@ GB = 1e9
 
 def num_devices(cfg: Config) -> int:
     """Devices to simulate: `plan.num_devices`, else the product of `model.mesh_shape`."""
+    from tunix_train.parallel import mesh as mesh_lib
+
     if cfg.plan.num_devices:
         return cfg.plan.num_devices
     sizes = [int(s) for s in (cfg.model.mesh_shape or mesh_lib.DEFAULT_SHAPE)[0]]
@@ -121,7 +122,7 @@ def _record(setup, costs, compile_s: float) -> dict[str, Any]:
     import jax.numpy as jnp
 
     from tunix_train.models import families
-    from tunix_train.parallel import stages
+    from tunix_train.parallel import mesh as mesh_lib, stages
 
     cfg, per_device = setup.cfg, costs.per_device_bytes
     return {
@@ -174,6 +175,8 @@ def _fits(cfg: Config, per_device: dict[str, int]) -> dict[str, Any]:
 
 def suggestions(cfg: Config, micro_batch: int) -> list[str]:
     """What would lower per-device memory from this configuration (none it already has)."""
+    from tunix_train.parallel import mesh as mesh_lib
+
     t = cfg.training
     found = ["put more devices on fsdp (model.mesh_shape)"]
     if t.zero_stage < 3:
@@ -237,9 +240,10 @@ def _summary(record: dict[str, Any], costs) -> list[str]:
 @hydra.main(config_path="../configs", config_name="config", version_base=None)
 def main(dict_cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
-    run_dir = hydra_cfg.runtime.output_dir
-    with cli.user_errors():
-        cfg = cli.typed(dict_cfg, hydra_cfg.overrides.task, Path(hydra_cfg.runtime.cwd))
+    run_dir, cwd = hydra_cfg.runtime.output_dir, Path(hydra_cfg.runtime.cwd)
+    with cli.user_errors(), cli.refused_leaves_no_run_dir(Path(run_dir), cwd):
+        cfg = cli.typed(dict_cfg, hydra_cfg.overrides.task, cwd)
+        validation.validate(cfg)  # told here, before JAX is imported and this command re-run
         ensure_cpu_devices(num_devices(cfg), run_dir)
         record = plan(cfg, Path(run_dir))
     if not record["fits"]:
