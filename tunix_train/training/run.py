@@ -78,11 +78,7 @@ def run(cfg: Config, run_dir: Path, task: type[Task] = Task,
     """`task`: the trainer's part (Task, grpo's or dpo's); `hooks`: the tests' fault injection
     (tests/faulty_training.py); a run has none."""
     validation.validate(cfg)
-    job = distributed.initialize(cfg.distributed)
-    distributed.check_same_run_dir(run_dir)
-    setup_process_logging(jax.process_index())
-    setup = Setup.create(cfg, processes_per_node=job.local_world_size)
-    work = task(setup)
+    setup, work = _joined(cfg, run_dir, task)
     writer = checkpoints = None
     status = "failed"
     try:
@@ -97,7 +93,8 @@ def run(cfg: Config, run_dir: Path, task: type[Task] = Task,
         step, evaluate = _step_and_evaluation(setup, work, writer, run_dir)
         if first_step == 0 and evaluate is not None:
             _initial_evaluation(state, evaluate, writer)
-        checkpoints = Checkpoints(run_dir, cfg.checkpoint)  # after a restore set damaged steps aside
+        # Opened after the restore, which set any damaged steps aside.
+        checkpoints = Checkpoints(run_dir, cfg.checkpoint)
         with writer.console():
             loop = _loop(setup, work, step, evaluate, writer, checkpoints, hooks, first_step,
                          setup.saved_config(state.get(state_lib.FROZEN)))
@@ -114,6 +111,16 @@ def run(cfg: Config, run_dir: Path, task: type[Task] = Task,
         if writer is not None:
             writer.close(status)
     return summary
+
+
+def _joined(cfg: Config, run_dir: Path, task: type[Task]) -> tuple[Setup, Task]:
+    """This process in its job (every process on one run dir), the run built on the job's
+    devices, and the trainer's part of it."""
+    job = distributed.initialize(cfg.distributed)
+    distributed.check_same_run_dir(run_dir)
+    setup_process_logging(jax.process_index())
+    setup = Setup.create(cfg, processes_per_node=job.local_world_size)
+    return setup, task(setup)
 
 
 def _step_and_evaluation(setup: Setup, work: Task, writer: MetricsWriter, run_dir: Path

@@ -108,20 +108,14 @@ def train_step_fn(layout: StateLayout, optimizer: optax.GradientTransformation,
             grad_sums, loss_sum, sums = fsdp.accumulated_gradients(
                 options.sync, micro_loss, state["params"], in_cp_order(batch, options.mesh),
                 state.get(FROZEN))
-        tokens = sums.pop("tokens")
-        per_token = {name: sums.pop(name) / jnp.maximum(tokens, 1.0)
-                     for name in router_losses.METRICS if name in sums}
+        tokens, per_token = _per_token(sums)
         # A non-finite loss makes every gradient NaN here (in the division that happens anyway),
         # so the optimizer's finiteness guard skips the update even if the gradients were finite.
         denominator = jnp.where(jnp.isfinite(loss_sum), jnp.maximum(tokens, 1.0), jnp.nan)
         params, opt_state, grad_norm = _updated(layout, optimizer, options.streamed, state,
                                                 grad_sums, denominator)
-        new_state = {
-            **state,  # LoRA's frozen base passes through (donated: no copy)
-            "step": state["step"] + 1,
-            "params": params,
-            "opt_state": opt_state,
-        }
+        # LoRA's frozen base passes through (donated: no copy).
+        new_state = {**state, "step": state["step"] + 1, "params": params, "opt_state": opt_state}
         metrics = {
             "loss": loss_sum / denominator,
             "grad_norm": grad_norm,
@@ -134,6 +128,14 @@ def train_step_fn(layout: StateLayout, optimizer: optax.GradientTransformation,
         return new_state, metrics
 
     return step
+
+
+def _per_token(sums: Metrics) -> tuple[jax.Array, Metrics]:
+    """Takes the token count and the router's loss sums out of `sums`: the count, and those
+    sums divided by it."""
+    tokens = sums.pop("tokens")
+    return tokens, {name: sums.pop(name) / jnp.maximum(tokens, 1.0)
+                    for name in router_losses.METRICS if name in sums}
 
 
 def _on_the_mesh(loss_fn: LossFn, plan: stages.Schedule | None) -> LossFn:
