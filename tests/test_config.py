@@ -186,3 +186,32 @@ def test_near_miss_keys_get_a_suggestion_and_sweeps_are_checked_at_their_first_v
     assert overrides.single_values(["optimizer.lr=1e-3,3e-4", "training.steps=3"]) == [
         "optimizer.lr=0.001", "training.steps=3"]
     assert set(overrides.known_keys()) >= {"training.steps", "model.mesh_shape", "grpo.beta"}
+
+
+# (trainer, its keys, lora.rank) → whether a reference model is held, and the updates a step.
+TRAINER_CASES = [
+    ("default", {}, 0, False, 1),
+    ("grpo", {"beta": 0.04, "num_iterations": 3}, 0, True, 3),
+    ("grpo", {"beta": 0.0}, 0, False, 1),
+    ("grpo", {"beta": 0.04}, 8, False, 1),  # LoRA: the base with the adapters off
+    ("dpo", {}, 0, True, 1),
+    ("dpo", {"precompute_reference": True}, 8, False, 1),
+]
+
+
+@pytest.mark.parametrize("trainer,keys,rank,held,updates", TRAINER_CASES)
+def test_the_trainer_registry_says_which_runs_hold_a_reference_and_count_their_updates(
+        trainer, keys, rank, held, updates):
+    from tunix_train import trainers
+    from tunix_train.training import reference
+
+    cfg = config_lib.Config()
+    cfg.trainer.name, cfg.lora.rank, cfg.training.steps = trainer, rank, 10
+    for key, value in keys.items():
+        setattr(getattr(cfg, trainer), key, value)
+    reason = reference.none_held(cfg)
+    assert (reason is None) == held, reason
+    assert reason is None or reason == trainers.NO_REFERENCE or "none held" in reason
+    if "precompute_reference" in keys:  # the trainer's own reason comes before LoRA's
+        assert "dpo.precompute_reference=true" in reason
+    assert trainers.optimizer_steps(cfg) == 10 * updates

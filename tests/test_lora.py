@@ -16,7 +16,7 @@ from flax import nnx
 import hf_reference
 from helpers import (FAMILIES, compiled_run, compose_config, family_tiny, mesh_arg, mesh_of,
                      train_losses)
-from tunix_train import cli, starting_weights
+from tunix_train import cli, starting_weights, trainers
 from tunix_train.checkpoint import Checkpoints
 from tunix_train.config import CheckpointConfig, ConfigError
 from tunix_train.parallel.layout import ParamLayout, merged
@@ -365,7 +365,7 @@ def test_the_backward_pass_reads_the_frozen_weights_again_and_keeps_no_copy(fami
     cfg = lora_config(family, mesh_arg(1, 1), "training.mixed_precision=bf16",
                       "training.remat=full", "training.micro_batch_size=4")
     setup = Setup.create(cfg, jax.devices()[:1])  # one device: the scan sees whole weights
-    loss_fn, extra = cli.task_of(cfg.trainer.name).loss(cfg)
+    loss_fn, extra = trainers.task_of(cfg.trainer.name).loss(cfg)
     traced = setup.train_step(loss_fn).trace(setup.state.with_shardings(),
                                              setup.abstract_batch(extra))
     frozen = {(_per_layer(leaf.shape), leaf.dtype)

@@ -115,7 +115,7 @@ def test_the_planned_bf16_step_counts_no_fp32_copy_of_the_weights():
     """The CPU widens bf16 matmuls to fp32 and hoists the widening of whole weight stacks out
     of the layer loop: a copy an accelerator never makes, which the planner's compile leaves
     out (plan.AS_ON_ACCELERATORS), while an fp32 step, with nothing to widen, stays within 1%."""
-    from tunix_train import cli
+    from tunix_train import trainers
     from tunix_train.plan import AS_ON_ACCELERATORS
 
     def temporaries(precision: str) -> tuple[int, int, int]:
@@ -123,7 +123,7 @@ def test_the_planned_bf16_step_counts_no_fp32_copy_of_the_weights():
                              "lora.rank=4", "training.remat=full",
                              f"training.mixed_precision={precision}")
         setup = Setup.create(cfg, jax.devices()[:1])
-        lowered = setup.train_step(cli.task_of("sft").loss(cfg)[0]).lower(
+        lowered = setup.train_step(trainers.task_of("default").loss(cfg)[0]).lower(
             setup.state.with_shardings(), setup.abstract_batch())
         frozen = jax.tree.leaves_with_path(setup.state.abstract[state_lib.FROZEN])
         mlp = [x for path, x in frozen if "mlp" in jax.tree_util.keystr(path)]

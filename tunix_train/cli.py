@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from tunix_train import gc_policy
 from tunix_train import overrides as overrides_lib
-from tunix_train import paths
+from tunix_train import paths, trainers
 from tunix_train import validation
 from tunix_train.config import Config, ConfigError
 from tunix_train.data import sources
@@ -225,25 +225,13 @@ def run_training(cfg: DictConfig, run_dir: str, hooks=None) -> None:
 
         gc_policy.collect_less_often()  # what those imports made, frozen as the entry's were
         nexts = NextCommands.of(hydra.overrides.task, Path(run_dir), Path(hydra.runtime.cwd))
-        summary = run_lib.run(config, Path(run_dir), task_of(config.trainer.name),
+        summary = run_lib.run(config, Path(run_dir), trainers.task_of(config.trainer.name),
                               hooks or run_lib.StepHooks())
     nexts.report(summary["final_step"], config.training.steps, preempted=summary["preempted"],
                  complete=summary.get("complete", False))
     from tunix_train.parallel import distributed
 
     distributed.leave()
-
-
-def task_of(trainer: str):
-    """trainer.name → its part of the run (training/run.py's Task)."""
-    if trainer == "grpo":
-        from tunix_train.grpo.trainer import GrpoTask
-        return GrpoTask
-    if trainer == "dpo":
-        from tunix_train.dpo.trainer import DpoTask
-        return DpoTask
-    from tunix_train.training.run import Task
-    return Task
 
 
 def _scheduler_start(job) -> str | None:

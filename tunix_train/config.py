@@ -318,7 +318,3 @@ def register_configs() -> None:
 def to_dict(cfg: Config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
-
-def optimizer_steps(cfg: Config) -> int:
-    """Optimizer updates in the whole run: GRPO makes num_iterations per step."""
-    return cfg.training.steps * (cfg.grpo.num_iterations if cfg.trainer.name == "grpo" else 1)

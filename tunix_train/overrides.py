@@ -21,8 +21,8 @@ import typing
 from pathlib import Path
 from typing import Sequence
 
-from tunix_train import validation
 from tunix_train.config import CONFIG_DIR, Config, ConfigError, register_configs
+from tunix_train.trainers import TRAINERS
 
 log = logging.getLogger("tunix_train")
 
@@ -69,7 +69,7 @@ def groups() -> dict[str, list[str]]:
 
 def with_data_group(overrides: Sequence[str]) -> tuple[list[str], str | None]:
     """`data.path=…` without a `data=` group reads the bundled corpus and ignores the path; the
-    group is the trainer's own (validation.TRAINERS) or taken from the file's extension
+    group is the trainer's own (trainers.TRAINERS) or taken from the file's extension
     instead, or the mistake is refused.
     Returns (overrides, the added group's note or None)."""
     parsed = parse(overrides)
@@ -78,7 +78,8 @@ def with_data_group(overrides: Sequence[str]) -> tuple[list[str], str | None]:
     if "data" in keys or not paths:
         return list(overrides), None
     path, trainer = str(paths[-1].value()), _trainer(parsed)
-    group, why = validation.TRAINERS.get(trainer), f"trainer={trainer}'s data"
+    own = TRAINERS.get(trainer)  # None before the trainer is chosen, or a mistyped name
+    group, why = own.data if own else None, f"trainer={trainer}'s data"
     if group is None:
         suffix = Path(path.rstrip("*/")).suffix.lower()
         group, why = DATA_GROUP_BY_SUFFIX.get(suffix), "its extension"

@@ -28,7 +28,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from tunix_train import cli, gc_policy, validation
+from tunix_train import cli, gc_policy, trainers, validation
 from tunix_train.config import Config, ConfigError, register_configs
 
 log = logging.getLogger("tunix_train")
@@ -81,7 +81,7 @@ def plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
     _as_planned(cfg)
     setup = Setup.create(cfg)
     start = time.perf_counter()
-    loss_fn, extra = cli.task_of(cfg.trainer.name).loss(cfg)  # the trainer's own step
+    loss_fn, extra = trainers.task_of(cfg.trainer.name).loss(cfg)  # the trainer's own step
     costs = setup.analyse(setup.compile_train_step(loss_fn, extra, AS_ON_ACCELERATORS))
     return write(run_dir, setup, costs, time.perf_counter() - start)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from tunix_train.config import (LORA_TARGETS, CheckpointConfig, Config, ConfigError, DataConfig,
                                 LoggingConfig, LoraConfig, ModelConfig)
+from tunix_train.trainers import TRAINERS
 
 @dataclass(frozen=True)
 class _Range:
@@ -40,8 +41,6 @@ _COUNT = _Range(1)  # a count of at least one
 _FRACTION = _Range(0, 1)
 _BETA = _Range(0, 1, high_open=True)
 
-# trainer.name → its own data group (None: text or SFT data); cli.task_of maps each to its code.
-TRAINERS = {"default": None, "grpo": "prompts", "dpo": "preferences"}
 # model.family's names; models/families.py holds each family's description
 # (tests/test_architecture.py keeps the two the same).
 FAMILY_NAMES = ("gemma3", "llama3", "qwen3", "qwen3_moe", "mixtral")
@@ -62,7 +61,7 @@ _CHOICES = {
     ("export", "dtype"): ("bfloat16", "float32"),
     ("export", "lora"): ("merged", "adapter"),
     ("lora", "base_quantization"): ("none", "nf4", "int8"),
-    ("trainer", "name"): tuple(TRAINERS),
+    ("trainer", "name"): tuple(TRAINERS),  # tunix_train/trainers.py
     ("dpo", "loss"): ("sigmoid", "ipo", "hinge"),
     ("grpo", "kl_estimator"): ("k3", "k1"),
     ("grpo", "advantage"): ("grpo", "dr_grpo", "rloo"),
@@ -178,12 +177,12 @@ def _validate_trackers(logging_cfg: LoggingConfig) -> None:
 
 def _validate_trainer(cfg: Config) -> None:
     trainer, data = cfg.trainer.name, cfg.data.name
-    for name, group in TRAINERS.items():
-        if group is not None and data == group and trainer != name:
-            raise ConfigError(f"data={group} is for trainer={name}; add trainer={name}, or use "
-                              f"data=sft for prompt/response pairs.")
-    if TRAINERS.get(trainer) not in (None, data):
-        raise ConfigError(f"trainer={trainer} needs data={TRAINERS[trainer]} data.path="
+    for name, own in TRAINERS.items():
+        if own.data is not None and data == own.data and trainer != name:
+            raise ConfigError(f"data={own.data} is for trainer={name}; add trainer={name}, or "
+                              f"use data=sft for prompt/response pairs.")
+    if TRAINERS[trainer].data not in (None, data):
+        raise ConfigError(f"trainer={trainer} needs data={TRAINERS[trainer].data} data.path="
                           f"<jsonl or parquet records>, not data={data}.")
     mesh = cfg.model.mesh_shape
     if trainer != "default" and _mesh_size(cfg, "pp") != 1:

@@ -19,6 +19,7 @@ from tunix_train.starting_weights import initial_params, run_params
 from tunix_train.config import Config
 from tunix_train.models import quantization
 from tunix_train.parallel import sharding as sharding_lib
+from tunix_train.trainers import NO_REFERENCE, TRAINERS
 from tunix_train.training import train_step
 
 Setup = Any  # training/setup.py's Setup, which imports this module (for `memory`)
@@ -30,15 +31,10 @@ ADAPTERS_OFF = "adapters off"  # LoRA's reference: the frozen base (`params_of`)
 
 def none_held(cfg: Config) -> str | None:
     """Why this run holds no reference model beside the policy; None when it holds one."""
-    name = cfg.trainer.name
-    if name == "default" or (name == "grpo" and cfg.grpo.beta == 0):
-        return "no reference model"
-    if name == "dpo" and cfg.dpo.precompute_reference:
-        return "reference model: none held (dpo.precompute_reference=true: its log-probs are " \
-               "computed before the first step)"
-    if cfg.lora.on:
+    reason = TRAINERS[cfg.trainer.name].no_reference(cfg)
+    if reason is None and cfg.lora.on:
         return "reference model: none held (LoRA: the frozen base with the adapters off)"
-    return None
+    return reason
 
 
 def memory(setup: Setup) -> tuple[int, str]:
@@ -48,7 +44,7 @@ def memory(setup: Setup) -> tuple[int, str]:
 
     reason = none_held(setup.cfg)
     if reason is not None:
-        return 0, "" if reason == "no reference model" else reason
+        return 0, "" if reason == NO_REFERENCE else reason
     layout = setup.params
     held = costs.sharded_bytes(layout.abstract, layout.shardings, layout.compute_dtype)
     return held, (f"reference model ({setup.cfg.trainer.name}): {held / 1e6:,.1f} MB per device, "

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from tunix_train import backend
 from tunix_train import checkpoint, checkpoint_fit
 from tunix_train import config as config_lib
-from tunix_train import starting_weights
+from tunix_train import starting_weights, trainers
 from tunix_train.analysis import costs
 from tunix_train.config import Config, ConfigError, TrainingConfig
 from tunix_train.data import pipeline
@@ -68,7 +68,7 @@ class Setup:
         mesh = mesh_lib.create_mesh(shape, devices, processes_per_node)
         params = ParamLayout.create(cfg.model, mesh, t.zero_stage, t.remat, t.mixed_precision,
                                     t.pipeline_repeats, cfg.lora)
-        updates = config_lib.optimizer_steps(cfg)
+        updates = trainers.optimizer_steps(cfg)
         # Parameters in host memory are updated a layer at a time: the clip is taken outside.
         optimizer = optim.adamw(cfg.optimizer, updates, clipped_outside=t.offload_params)
         batch = batch_shape(cfg.training, cfg.data.seq_len, shape.data_ranks,
