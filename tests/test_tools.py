@@ -162,6 +162,10 @@ def test_bad_input_is_one_sentence_and_exit_2(exported, tmp_path):
          f"{tmp_path}/notes.txt/out); give a folder you can write to."),
         (["-m", "tunix_train.export", f"checkpoint.resume_from={tmp_path}",
           f"export.path={tmp_path / 'out'}"], "holds no committed checkpoint"),
+        *[(["-m", "tunix_train.export", f"model.init_from=hf:{exported}",
+            f"export.path={tmp_path / 'refused'}", f"export.{key}={value}"],
+           f"export.{key}='{value}' is not one of")  # were a traceback, and a merged export
+          for key, value in (("dtype", "float8"), ("lora", "adapters"))],
         (["-m", "tunix_train.generate", f"model.init_from=hf:{exported}"],
          "set exactly one of generate.prompt"),
         (["-m", "tunix_train.generate", f"model.init_from=hf:{exported}", "generate.prompt=hi",
@@ -177,6 +181,7 @@ def test_bad_input_is_one_sentence_and_exit_2(exported, tmp_path):
         assert result.returncode == 2 and message in output, output[-2000:]
         assert "Traceback" not in output
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr  # one sentence only
+    assert not (tmp_path / "refused").exists()
 
 
 TOOLS = ("tunix_train.generate", "tunix_train.export")

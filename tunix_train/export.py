@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from tunix_train import cli, gc_policy, paths
+from tunix_train import cli, gc_policy, paths, validation
 from tunix_train.inference import weights
 from tunix_train.config import Config, ConfigError
 from tunix_train.data import tokenizer as tokenizer_lib
@@ -42,6 +42,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"
 def export(cfg: Config, explicit: Iterable[str] = (), tokenizer_chosen: bool = False) -> list[Path]:
     """Writes the export folder (process 0 only); returns the safetensors files written.
     `tokenizer_chosen`: `data.tokenizer` was given on the command line (else the weights' own)."""
+    validation.check_values(cfg, ("export",))
     if not cfg.export.path:
         raise ConfigError("export.path is not set; give the folder to write, e.g. export.path=out.")
     if not (cfg.checkpoint.resume_from or cfg.model.init_from):
