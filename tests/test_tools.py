@@ -171,6 +171,9 @@ def test_bad_input_is_one_sentence_and_exit_2(exported, tmp_path):
         (["-m", "tunix_train.generate", f"model.init_from=hf:{exported}", "generate.prompt=hi",
           "generate.max_new_tokens=0"], "generate.max_new_tokens=0 is out of range: it must be "
                                         "at least 1."),
+        (["-m", "tunix_train.generate", f"model.init_from=hf:{exported}", "generate.prompt=hi",
+          "model.attention_impl=bogus"], "model.attention_impl='bogus' is not one of"),  # was
+        # ignored: every key is checked, not the tool's own alone
         ([str(REPO / "run_training.py"), f"model.init_from=hf:{exported}", "model.num_layers=3",
           f"hydra.run.dir={tmp_path}/run"], "model.num_layers=3 contradicts"),
     ]

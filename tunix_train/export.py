@@ -42,7 +42,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"
 def export(cfg: Config, explicit: Iterable[str] = (), tokenizer_chosen: bool = False) -> list[Path]:
     """Writes the export folder (process 0 only); returns the safetensors files written.
     `tokenizer_chosen`: `data.tokenizer` was given on the command line (else the weights' own)."""
-    validation.check_values(cfg, ("export",))
+    validation.check_values(cfg)  # every key's, the export's and the model's among them
     if not cfg.export.path:
         raise ConfigError("export.path is not set; give the folder to write, e.g. export.path=out.")
     if not (cfg.checkpoint.resume_from or cfg.model.init_from):

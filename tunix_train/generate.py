@@ -64,7 +64,9 @@ def generate(cfg: Config, explicit: Iterable[str] = (),
              tokenizer_chosen: bool = False) -> dict[str, Any]:
     """`explicit`: model keys given on the command line; `tokenizer_chosen`: so was
     `data.tokenizer` (else the weights' own tokenizer is used)."""
-    validation.check_values(cfg, ("generate",))  # before any weights are read, or JAX imported
+    # Every key's value (the generate.*, model.* and lora.* ones among them), before any
+    # weights are read or JAX imported.
+    validation.check_values(cfg)
     from tunix_train.inference import weights
     from tunix_train.inference.sampler import Sampler
 

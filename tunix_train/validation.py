@@ -120,17 +120,15 @@ _RANGES = {
 }
 
 
-def check_values(cfg: Config, sections: tuple[str, ...] | None = None) -> None:
-    """The ranges and choices of single keys (of `sections` only, if given): ConfigError for
-    the first value outside them."""
+def check_values(cfg: Config) -> None:
+    """The ranges and choices of single keys: ConfigError for the first value outside them."""
     for (section, key), allowed in _RANGES.items():
         value = getattr(getattr(cfg, section), key)
-        if (sections is None or section in sections) and value is not None \
-                and value not in allowed:
+        if value is not None and value not in allowed:
             raise ConfigError(f"{section}.{key}={value} is out of range: it must be {allowed}.")
     for (section, key), allowed in _CHOICES.items():
         value = getattr(getattr(cfg, section), key)
-        if (sections is None or section in sections) and value not in allowed:
+        if value not in allowed:
             raise ConfigError(f"{section}.{key}={value!r} is not one of {', '.join(allowed)}.")
 
 
