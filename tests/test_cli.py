@@ -227,12 +227,16 @@ def test_a_bad_value_is_one_sentence_on_stderr_before_any_work(override, bad_val
 REFUSALS = {
     "run_training.py": ("runpy.run_path('run_training.py', run_name='__main__')",
                         ["run_training.py", "optimizer.lr=-1", "hydra.run.dir={run_dir}"],
-                        "optimizer.lr=-1.0"),
+                        "optimizer.lr=-1.0 is out of range"),
     "plan": ("runpy.run_module('tunix_train.plan', run_name='__main__')",
              ["plan", "model.mesh_shape=[[4,1],[fsdp,tp]]", "optimizer.lr=-1",
-              "hydra.run.dir={run_dir}"], "optimizer.lr=-1.0"),
+              "hydra.run.dir={run_dir}"], "optimizer.lr=-1.0 is out of range"),
     "generate": ("runpy.run_module('tunix_train.generate', run_name='__main__')",
-                 ["generate", "generate.temperature=-1"], "generate.temperature=-1.0"),
+                 ["generate", "generate.temperature=-1"],
+                 "generate.temperature=-1.0 is out of range"),
+    "export": ("runpy.run_module('tunix_train.export', run_name='__main__')",
+               ["export", "checkpoint.resume_from=outputs", "export.path={run_dir}",
+                "export.dtype=float8"], "export.dtype='float8' is not one of"),
 }
 
 
@@ -241,8 +245,9 @@ def test_a_refused_value_is_told_before_jax_or_the_training_code_loads(command, 
     """A mistyped command costs its refusal only (run_training.py 0.8 s on a 2-core VM,
     2026-11-29, against 2-2.6 s when JAX, Orbax and Flax were imported first; the planner 1.0 s
     against 1.7, or 4.9 with a mesh to simulate, which it re-ran itself for; generate 0.65
-    against 2.1): what the process had imported at its exit, and no run dir left."""
-    start, argv, value = REFUSALS[command]
+    against 2.1; export 0.6 against 1.9): what the process had imported at its exit, and no
+    run dir (or export folder) left."""
+    start, argv, message = REFUSALS[command]
     run_dir = tmp_path / "run"
     probe = ("import atexit, runpy, sys\n"
              "atexit.register(lambda: print(sorted(m for m in ('jax', 'flax', 'orbax.checkpoint', "
@@ -251,7 +256,7 @@ def test_a_refused_value_is_told_before_jax_or_the_training_code_loads(command, 
     result = subprocess.run([sys.executable, "-c", probe], cwd=repo, env=cli_env(None),
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
-    assert f"error: {value} is out of range" in result.stderr
+    assert f"error: {message}" in result.stderr
     assert result.stdout.strip() == "[]"
     assert not run_dir.exists()
 

@@ -22,16 +22,12 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable
 
-import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from tunix_train import cli, gc_policy, paths, validation
-from tunix_train.inference import weights
 from tunix_train.config import Config, ConfigError
 from tunix_train.data import tokenizer as tokenizer_lib
-from tunix_train.models import hf_config, hf_weights, lora, quantization
-from tunix_train.parallel import layout as layout_lib
+from tunix_train.models import hf_config
 
 log = logging.getLogger("tunix_train")
 
@@ -42,13 +38,9 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"
 def export(cfg: Config, explicit: Iterable[str] = (), tokenizer_chosen: bool = False) -> list[Path]:
     """Writes the export folder (process 0 only); returns the safetensors files written.
     `tokenizer_chosen`: `data.tokenizer` was given on the command line (else the weights' own)."""
-    validation.check_values(cfg)  # every key's, the export's and the model's among them
-    if not cfg.export.path:
-        raise ConfigError("export.path is not set; give the folder to write, e.g. export.path=out.")
-    if not (cfg.checkpoint.resume_from or cfg.model.init_from):
-        raise ConfigError(
-            "nothing to export: set checkpoint.resume_from=<run dir> (or model.init_from=hf:<dir>)."
-        )
+    _check(cfg)
+    from tunix_train.inference import weights  # JAX, Flax and Orbax: once the values are checked
+
     source = weights.tokenizer_source(cfg, tokenizer_chosen)
     tok = None if source == "none" else tokenizer_lib.open_tokenizer(source)  # fails before loading
     trained = weights.saved_lora(cfg.checkpoint.resume_from)[0] if cfg.checkpoint.resume_from \
@@ -62,11 +54,32 @@ def export(cfg: Config, explicit: Iterable[str] = (), tokenizer_chosen: bool = F
     origin = weights.hf_origin(cfg.model)
     if layout.frozen is not None and cfg.export.lora == "adapter":
         return _export_adapter(cfg, params, out, origin)
-    if layout.frozen is not None:
+    return _export_model(cfg, params, layout.frozen is not None, out, origin, (tok, source))
+
+
+def _check(cfg: Config) -> None:
+    validation.check_values(cfg)  # every key's, the export's and the model's among them
+    if not cfg.export.path:
+        raise ConfigError("export.path is not set; give the folder to write, e.g. export.path=out.")
+    if not (cfg.checkpoint.resume_from or cfg.model.init_from):
+        raise ConfigError(
+            "nothing to export: set checkpoint.resume_from=<run dir> (or model.init_from=hf:<dir>)."
+        )
+
+
+def _export_model(cfg: Config, params: Any, adapters: bool, out: Path, origin: Path | None,
+                  tokenizer: tuple[tokenizer_lib.Tokenizer | None, str]) -> list[Path]:
+    """The whole model as a `transformers` folder; a LoRA run's `adapters` folded in."""
+    import jax
+
+    from tunix_train.models import hf_weights, lora, quantization
+
+    if adapters:
         params = jax.jit(lambda p: lora.folded(quantization.dequantized(p), cfg.lora))(params)
     host = _to_host(params)
     if jax.process_index() != 0:
         return []
+    tok, source = tokenizer
     files = hf_weights.save(host, cfg.model, out, np.dtype(cfg.export.dtype),
                             int(cfg.export.max_shard_gb * 1e9), _token_ids(tok, origin))
     if origin is not None:
@@ -81,6 +94,11 @@ def export(cfg: Config, explicit: Iterable[str] = (), tokenizer_chosen: bool = F
 
 def _export_adapter(cfg: Config, params: Any, out: Path, origin: Path | None) -> list[Path]:
     """A LoRA run's adapters as a PEFT adapter folder for the base at `origin`."""
+    import jax
+
+    from tunix_train.models import hf_weights, lora
+    from tunix_train.parallel import layout as layout_lib
+
     host = _to_host(layout_lib.select(params, lora.is_adapter))
     if jax.process_index() != 0:
         return []
@@ -92,6 +110,9 @@ def _export_adapter(cfg: Config, params: Any, out: Path, origin: Path | None) ->
 
 
 def _to_host(params: Any) -> Any:
+    import jax
+    from jax.experimental import multihost_utils
+
     # Every process takes part in gathering a sharded array, even those that write nothing.
     return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)),
                         params)
