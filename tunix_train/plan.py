@@ -40,13 +40,12 @@ GB = 1e9
 
 
 def num_devices(cfg: Config) -> int:
-    """Devices to simulate: `plan.num_devices`, else the product of `model.mesh_shape`."""
-    from tunix_train.parallel import mesh as mesh_lib
-
+    """Devices to simulate: `plan.num_devices`, else the product of `model.mesh_shape`. Read
+    without JAX, which this process imports only after it has re-run itself with them."""
     if cfg.plan.num_devices:
         return cfg.plan.num_devices
-    sizes = [int(s) for s in (cfg.model.mesh_shape or mesh_lib.DEFAULT_SHAPE)[0]]
-    if -1 in sizes:
+    sizes = [int(s) for s in cfg.model.mesh_shape[0]] if cfg.model.mesh_shape else [-1]
+    if -1 in sizes:  # (None puts every device on fsdp: [-1, 1])
         raise ConfigError(
             f"model.mesh_shape {sizes} has a -1 the planner cannot fill without devices; give "
             f"every size, or set plan.num_devices."
