@@ -188,7 +188,7 @@ def suggestions(cfg: Config, micro_batch: int) -> list[str]:
     if not t.offload_optimizer:
         found.append("set training.offload_optimizer=true")
     sizes, names = cfg.model.mesh_shape
-    if not t.offload_params and cfg.trainer.name == "default" and \
+    if not t.offload_params and trainers.TRAINERS[cfg.trainer.name].offload_params and \
             dict(zip(names, sizes)).get(mesh_lib.PP, 1) == 1:
         found.append("set training.offload_params=true")
     return found

@@ -25,10 +25,15 @@ class Trainer:
     # Why a run of it holds no frozen reference model beside the policy; None: it holds one
     # (training/reference.py).
     no_reference: Callable[[Config], str | None] = lambda cfg: NO_REFERENCE
+    # Whether its step runs through pipeline stages (which compute the next-token loss only)
+    # and with parameters in host memory (which its own work, a reference or rollouts, would
+    # need on the device).
+    pipeline: bool = False
+    offload_params: bool = False
 
 
 TRAINERS = {
-    "default": Trainer("tunix_train.training.run:Task"),
+    "default": Trainer("tunix_train.training.run:Task", pipeline=True, offload_params=True),
     "grpo": Trainer("tunix_train.grpo.trainer:GrpoTask", "prompts",
                     updates_per_step=lambda cfg: cfg.grpo.num_iterations,
                     no_reference=lambda cfg: NO_REFERENCE if cfg.grpo.beta == 0 else None),

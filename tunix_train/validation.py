@@ -183,7 +183,7 @@ def _validate_trainer(cfg: Config) -> None:
         raise ConfigError(f"trainer={trainer} needs data={TRAINERS[trainer].data} data.path="
                           f"<jsonl or parquet records>, not data={data}.")
     mesh = cfg.model.mesh_shape
-    if trainer != "default" and _mesh_size(cfg, "pp") != 1:
+    if not TRAINERS[trainer].pipeline and _mesh_size(cfg, "pp") != 1:
         raise ConfigError(f"model.mesh_shape={mesh} has pipeline stages, which trainer={trainer} "
                           f"does not support yet (the pipeline computes the next-token loss only); "
                           f"put those devices on fsdp or tp instead.")

@@ -31,6 +31,7 @@ import optax
 from tunix_train.config import Config, ConfigError
 from tunix_train.models import quantization
 from tunix_train.parallel.sharding import to_device, to_host
+from tunix_train.trainers import TRAINERS
 from tunix_train.training import optim
 from tunix_train.training.state import HOST
 
@@ -46,7 +47,7 @@ def check_supported(cfg: Config, pp: int) -> None:
             f"training.offload_params=true with pp={pp} in model.mesh_shape: a pipeline stage "
             f"fetches its layers whole, not one at a time from host memory; put those devices "
             f"on fsdp, or set training.offload_params=false.")
-    if cfg.trainer.name != "default":
+    if not TRAINERS[cfg.trainer.name].offload_params:
         raise ConfigError(
             f"training.offload_params=true is for the default trainer (pre-training, SFT, "
             f"LoRA), not trainer={cfg.trainer.name} yet; set training.offload_params=false "
