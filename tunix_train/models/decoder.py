@@ -354,6 +354,8 @@ class Decoder(nnx.Module):
             layer_state, index = layer_xs if numbered else (layer_xs, None)
             with lora.folded_in(salt), lora.folded_in(index) if numbered else \
                     contextlib.nullcontext():
+                # The collectives: under FSDP this all-gathers the layer's shards, and its
+                # backward reduce-scatters the layer's gradient (models/params.py).
                 layer = nnx.merge(graphdef, materialize(layer_state))
                 return layer(x_BxLxD, cos_sin, segment_ids_BxL, window)  # (x, router stats)
 
