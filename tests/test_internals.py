@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from helpers import TINY, compose_config
+from helpers import ONE_STACK, compose_config
 from tunix_train import checkpoint, overrides
 from tunix_train.models import layers, params, partitioning
 from tunix_train.parallel import mesh as mesh_lib
@@ -100,7 +100,7 @@ def test_a_failing_startup_analysis_is_a_warning_and_the_run_trains(tmp_path, mo
         raise ValueError(f"unknown HLO form in {len(module.computations)} computations")
 
     monkeypatch.setattr(hlo, "parse", unknown_forms)
-    cfg = compose_config(*TINY, "training.steps=2", "training.micro_batch_size=1",
+    cfg = compose_config(*ONE_STACK, "training.steps=2", "training.micro_batch_size=1",
                          "logging.every_steps=1")
     with caplog.at_level(logging.WARNING, logger="tunix_train"):
         summary = run_lib.run(cfg, tmp_path)
