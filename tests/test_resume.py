@@ -33,8 +33,8 @@ STEPS = 10
 # One stack of Gemma 3 layers (helpers.ONE_STACK): these tests' subject is the run's state on
 # disk and its restarts, not the layer kinds, and each of the file's ~28 commands traces and
 # lowers one scanned body instead of TINY's three.
-BASE = [*ONE_STACK, f"training.steps={STEPS}", "training.global_batch_size=8", "logging.every_steps=1",
-        "data.eval_batches=1"]
+BASE = [*ONE_STACK, f"training.steps={STEPS}", "training.global_batch_size=8",
+        "logging.every_steps=1", "data.eval_batches=1"]
 EIGHT_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 
 
