@@ -25,6 +25,22 @@ def test_chunked_attention_equals_dense_attention_and_its_gradients(exchange, wi
     one piece back at most, a longer one (20) three; queries and keys in tiles of a whole piece
     (8 tokens) and of 4. Keys and values all-gathered, or passed around a ring."""
     monkeypatch.setattr(context, "BLOCK", block)
+    chunked, outputs_and_grads = _attention_case(exchange, window, cp)
+
+    def dense(q, k, v, segments):
+        mask = segments[:, None, :, None] == segments[:, None, None, :]
+        return jax.nn.dot_product_attention(
+            q, k, v, mask=mask, is_causal=True, scale=0.3,
+            local_window_size=(window - 1, 0) if window else None, implementation="xla")
+
+    got, want = jax.jit(lambda: outputs_and_grads(chunked))(), outputs_and_grads(dense)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+
+
+def _attention_case(exchange, window, cp):
+    """(`exchange` on cp devices as a function of the whole sequence's q, k, v and segments;
+    fn → fn's outputs and input gradients on one random batch of them)."""
     B, L, N, K, H = 2, 64, 4, 2, 8
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.normal(size=(B, L, N, H)), jnp.float32)
@@ -41,21 +57,36 @@ def test_chunked_attention_equals_dense_attention_and_its_gradients(exchange, wi
         out = on_devices(*(jnp.take(a, order, axis=1) for a in arrays))
         return jnp.take(out, np.argsort(order), axis=1)
 
-    def dense(q, k, v, segments):
-        mask = segments[:, None, :, None] == segments[:, None, None, :]
-        return jax.nn.dot_product_attention(
-            q, k, v, mask=mask, is_causal=True, scale=0.3,
-            local_window_size=(window - 1, 0) if window else None, implementation="xla")
-
     cotangent = jnp.asarray(rng.normal(size=(B, L, N, H)), jnp.float32)
 
     def outputs_and_grads(fn):
         out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, segments), q, k, v)
         return out, vjp(cotangent)
 
-    got, want = jax.jit(lambda: outputs_and_grads(chunked))(), outputs_and_grads(dense)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+    return chunked, outputs_and_grads
+
+
+def test_the_ring_leaves_no_input_of_a_manual_computation_unused():
+    """A local window shorter than a piece sees no tile of the far chunks (cp 4: step 2), and
+    those steps pass no tile table: an empty one was an input the backward pass's manual
+    computation never read, on which jax 0.11.2's Shardy crashed the process compiling
+    (ManualComputationUnusedInputsPattern, a segfault; the GPU image's jax). jax 0.10 lowers
+    the same program, so it is checked here from the lowering."""
+    chunked, outputs_and_grads = _attention_case(context.ring_attention, 5, 4)
+    module = jax.jit(lambda: outputs_and_grads(chunked)).lower().compiler_ir("stablehlo")
+    manual = []
+
+    def walk(operation):
+        for region in operation.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    if inner.operation.name == "sdy.manual_computation":
+                        arguments = inner.regions[0].blocks[0].arguments
+                        manual.append([str(a.type) for a in arguments if not list(a.uses)])
+                    walk(inner.operation)
+
+    walk(module.operation)
+    assert len(manual) == 2 and manual == [[], []], manual  # forward and backward, all read
 
 
 COMMON = [*TINY, "model.num_layers=9", "model.global_every=2", "data.seq_len=512",

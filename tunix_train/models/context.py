@@ -95,8 +95,11 @@ def ring_attention(q_BxCxNxH: jax.Array, k_BxCxKxH: jax.Array, v_BxCxKxH: jax.Ar
     block = math.gcd(piece, BLOCK or blockwise.block_size(C * cp))
     first, rest = _ring_tables(cp, piece // block, block, window)
     me = lax.axis_index(axis)
+    # A step without tiles (a local window's far chunks) has no table, so computes nothing in
+    # either pass, where an empty one left an unused input to jax 0.11.2's Shardy, which
+    # crashed compiling the backward pass (ManualComputationUnusedInputsPattern).
     return _ring(q_BxCxNxH, k_BxCxKxH, v_BxCxKxH, segment_ids_BxC.astype(jnp.int32),
-                 first[me], tuple(t[me] for t in rest),
+                 first[me], tuple(t[me] if t.shape[1] else None for t in rest),
                  _Ring(axis, cp, blockwise.Tiles(block, window, float(scale))))
 
 
@@ -136,6 +139,8 @@ def _ring_forward(q_BxCxNxH, k_BxCxKxH, v_BxCxKxH, segments_BxC, first, rest, ri
     q = blockwise.heads_first(q_BxCxNxH)
 
     def step(carry, chunk, table):
+        if table is None:  # no tile of this chunk is seen
+            return carry
         k, v, k_segments = chunk
         k, v = (blockwise.heads_first(a)
                 for a in blockwise.to_query_heads(q_BxCxNxH, k, v))
@@ -162,6 +167,10 @@ def _ring_bwd(ring: _Ring, residuals, d_out_BxCxNxH):
     def step(carry, chunk, table):
         """dQ, and this chunk's dK and dV (per KV head) added to those that came with it."""
         dq, kv_grads = carry
+        # The gradients so far of the chunk this device holds come from the previous device.
+        arrived = ring.passed_on(kv_grads) if kv_grads is not None else None
+        if table is None:  # no tile of this chunk is seen: it adds nothing (never the first)
+            return dq, arrived
         k, v, k_segments = chunk
         k, v = (blockwise.heads_first(a) for a in blockwise.to_query_heads(q_BxCxNxH, k, v))
         zeros = jnp.zeros((B, N, C, H), jnp.float32)
@@ -169,8 +178,6 @@ def _ring_bwd(ring: _Ring, residuals, d_out_BxCxNxH):
                                               ring.tiles, lse_BxNxC, delta_BxNxC,
                                               (dq, zeros, zeros))
         per_kv_head = tuple(g.reshape(B, K, N // K, C, H).sum(2) for g in (dk, dv))
-        # The gradients so far of the chunk this device holds come from the previous device.
-        arrived = ring.passed_on(kv_grads) if kv_grads is not None else None
         kv_grads = per_kv_head if arrived is None else tuple(
             a + g for a, g in zip(arrived, per_kv_head))
         return dq, kv_grads
