@@ -237,7 +237,7 @@ REFUSALS = {
                  ["generate", "generate.temperature=-1"],
                  "generate.temperature=-1.0 is out of range"),
     "export": ("runpy.run_module('tunix_train.export', run_name='__main__')",
-               ["export", "checkpoint.resume_from=outputs", "export.path={run_dir}",
+               ["export", "checkpoint.resume_from={tmp_path}", "export.path={run_dir}",
                 "export.dtype=float8"], "export.dtype='float8' is not one of"),
 }
 
@@ -254,7 +254,8 @@ def test_a_refused_value_is_told_before_jax_or_the_training_code_loads(command, 
     probe = ("import atexit, runpy, sys\n"
              "atexit.register(lambda: print(sorted(m for m in ('jax', 'flax', 'orbax.checkpoint', "
              "'tunix_train.training.run') if m in sys.modules)))\n"
-             f"sys.argv = {[arg.format(run_dir=run_dir) for arg in argv]!r}\n{start}\n")
+             f"sys.argv = {[arg.format(run_dir=run_dir, tmp_path=tmp_path) for arg in argv]!r}"
+             f"\n{start}\n")
     result = subprocess.run([sys.executable, "-c", probe], cwd=repo, env=cli_env(None),
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
