@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -348,7 +349,7 @@ def _scan_outputs(jaxpr) -> list:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "scan":
             found += [v.aval for v in eqn.outvars]
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             found += _scan_outputs(sub)
     return found
 
