@@ -269,11 +269,14 @@ def test_the_reference_model_is_counted_and_lora_or_precomputing_holds_none():
 
 def test_dpo_with_lora_starts_at_ln2_and_learns(pairs, tmp_path):
     """With LoRA the reference is the base with the adapters off: step 0 is ln 2 (B = 0), and
-    only the adapters move the held-out margin."""
+    only the adapters move the held-out margin, measured on 32 pairs (on 8, its sign after 4
+    steps was noise: -0.023 on Python 3.12's standard library, which the pairs' words come
+    from, against +0.046 on 3.11's; on 32, +0.078 and +0.044)."""
     from tunix_train.dpo import trainer as dpo_trainer
 
     dpo_trainer.run(compose_config(*RUN, f"data.path={pairs}", "lora.rank=4", "optimizer.lr=1e-2",
-                                   'model.mesh_shape=[[4,2],["fsdp","tp"]]'), tmp_path)
+                                   'model.mesh_shape=[[4,2],["fsdp","tp"]]',
+                                   "data.eval_batches=4"), tmp_path)
     loss, margin = metrics(tmp_path, "loss"), metrics(tmp_path, "eval_margin")
     assert loss[1] == pytest.approx(math.log(2), abs=1e-6) and loss[STEPS] < loss[1]
     assert margin[0] == 0 and margin[STEPS] > 0
