@@ -59,10 +59,23 @@ def test_in_bf16_it_is_as_close_to_fp32_attention_as_dense_bf16_is():
         length=128, head_dim=32, scale=0.125, window=48)
 
 
-def triton_calls(fn, *shapes) -> list[tuple[str, str]]:
-    """(kernel name, operand types) of each Triton kernel in `fn`'s program lowered for CUDA
-    (lowering needs no GPU); also asserts that nothing in it is [L, L]-sized."""
-    text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+def h100s(shape=(1,), axes=("gpu",)) -> jax.sharding.AbstractMesh:
+    """A mesh of H100s with no GPU attached: what the kernels are lowered for (jax 0.11's Pallas
+    reads the target's compute capability from the abstract mesh in context; jax 0.10's needed
+    none)."""
+    return jax.sharding.AbstractMesh(shape, axes, (AxisType.Auto,) * len(axes),
+                                     abstract_device=jax.sharding.AbstractDevice(
+                                         device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
+                                         platform="gpu"))
+
+
+def triton_calls(fn, *shapes, mesh: jax.sharding.AbstractMesh | None = None
+                 ) -> list[tuple[str, str]]:
+    """(kernel name, operand types) of each Triton kernel in `fn`'s program lowered for CUDA on
+    `mesh` (one H100 by default; no GPU needed); also asserts that nothing in it is
+    [L, L]-sized."""
+    with jax.sharding.use_abstract_mesh(mesh or h100s()):
+        text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
     length = shapes[0].shape[1]
     assert not re.search(rf"tensor<([0-9]+x)*{length}x([0-9]+x)*{length}x", text)
     return re.findall(r'custom_call @__gpu\$xla\.gpu\.triton\(.*?name = "(\w+)".*?: \((.*?)\) ->',
@@ -95,8 +108,7 @@ def test_on_a_mesh_each_device_runs_the_kernels_on_its_own_rows_and_heads(monkey
     kernel gets a quarter of the 8 query heads and half the rows. KV heads split with them
     where tp divides them (4), else each device gets copies of its own heads' (2)."""
     monkeypatch.setattr(attention_lib.jax, "default_backend", lambda: "gpu")
-    mesh = jax.make_mesh((2, 4), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2,
-                         devices=jax.devices()[:8])
+    mesh = h100s((2, 4), ("fsdp", "tp"))
     attention = attention_lib.Attention(ModelConfig(embed_dim=32, num_heads=8,
                                                     num_kv_heads=kv_heads, head_dim=64),
                                         nnx.Rngs(0), gemma3.FAMILY.architecture)
@@ -108,7 +120,7 @@ def test_on_a_mesh_each_device_runs_the_kernels_on_its_own_rows_and_heads(monkey
     q = jax.ShapeDtypeStruct((4, 128, 8, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((4, 128, kv_heads, 64), jnp.bfloat16)
     segments = jax.ShapeDtypeStruct((4, 128), jnp.int32)
-    calls = triton_calls(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, segments)
+    calls = triton_calls(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, segments, mesh=mesh)
     local_kv = kv_heads // 4 if kv_heads % 4 == 0 else 2
     assert len(calls) == 3
     for _, operands in calls:
