@@ -118,7 +118,7 @@ def test_the_planned_bf16_step_counts_no_fp32_copy_of_the_weights():
     from tunix_train import trainers
     from tunix_train.plan import AS_ON_ACCELERATORS
 
-    def temporaries(precision: str) -> tuple[int, int, int]:
+    def temporaries(precision: str) -> tuple[int, int, int, bool]:
         cfg = compose_config("model=llama3_tiny", mesh_arg(1, 1), "data.seq_len=64",
                              "lora.rank=4", "training.remat=full",
                              f"training.mixed_precision={precision}")
@@ -126,14 +126,19 @@ def test_the_planned_bf16_step_counts_no_fp32_copy_of_the_weights():
         lowered = setup.train_step(trainers.task_of("default").loss(cfg)[0]).lower(
             setup.state.with_shardings(), setup.abstract_batch())
         frozen = jax.tree.leaves_with_path(setup.state.abstract[state_lib.FROZEN])
-        mlp = [x for path, x in frozen if "mlp" in jax.tree_util.keystr(path)]
-        return (lowered.compile().memory_analysis().temp_size_in_bytes,
+        mlp = [x for path, x in frozen if "mlp" in jax.tree_util.keystr(path) and x.ndim == 3]
+        default = lowered.compile()
+        stacks = {"f32[" + ",".join(map(str, x.shape)) + "]" for x in mlp}
+        return (default.memory_analysis().temp_size_in_bytes,
                 lowered.compile(AS_ON_ACCELERATORS).memory_analysis().temp_size_in_bytes,
-                sum(x.size for x in mlp) * 4)
+                sum(x.size for x in mlp) * 4, any(s in default.as_text() for s in stacks))
 
-    default, planned, mlp_fp32 = temporaries("bf16")
-    # At least the MLP's weights (gate, up, down: 3/4 of this model's, 4/5 of an 8B's) are
-    # widened as whole stacks; attention's einsums widen per layer here.
-    assert default - planned >= 0.9 * mlp_fp32 > 0
-    default, planned, _ = temporaries("fp32")  # what else the pass hoists: small masks
+    default, planned, mlp_fp32, widened = temporaries("bf16")
+    if widened:  # jax 0.10's CPU compiler: the MLP's stacks widened whole, out of the loop
+        # At least the MLP's weights (gate, up, down: 3/4 of this model's, 4/5 of an 8B's);
+        # attention's einsums widen per layer here.
+        assert default - planned >= 0.9 * mlp_fp32 > 0
+    else:  # jax 0.11's widens a layer's weights inside the loop: nothing to leave out
+        assert 0 <= default - planned <= 0.03 * default
+    default, planned, _, _ = temporaries("fp32")  # what else the pass hoists: small masks
     assert abs(default - planned) <= 0.01 * default
