@@ -215,3 +215,34 @@ def test_the_trainer_registry_says_which_runs_hold_a_reference_and_count_their_u
     if "precompute_reference" in keys:  # the trainer's own reason comes before LoRA's
         assert "dpo.precompute_reference=true" in reason
     assert trainers.optimizer_steps(cfg) == 10 * updates
+
+
+@pytest.mark.parametrize("jax_version,flax_version,refused", [
+    ("0.11.2", "0.12.8", True), ("0.11.0rc1", "0.12.9", True), ("0.12.0", "0.12.9", True),
+    ("0.11.2", "0.12.10", False), ("0.11.2", "0.13.0.dev20261201", False),
+    ("0.10.2", "0.12.8", False)])
+def test_a_flax_that_cannot_import_on_the_installed_jax_is_one_sentence(jax_version, flax_version,
+                                                                         refused):
+    """jax 0.11 removed what flax 0.12.9 and older import; pip lets that pairing install."""
+    installed = {"jax": jax_version, "flax": flax_version}.__getitem__
+    if not refused:
+        validation.check_installed(installed)
+        return
+    with pytest.raises(ConfigError) as error:
+        validation.check_installed(installed)
+    assert str(error.value) == (
+        f"flax {flax_version} is installed with jax {jax_version}, and flax older than 0.12.10 "
+        f"does not import on jax 0.11 or newer: pip install 'flax>=0.12.10', or go back to the "
+        f"pinned versions with pip install -c constraints.txt -e .")
+
+
+def test_the_installed_versions_are_checked_before_any_value(monkeypatch):
+    """Every command checks single keys' values before it imports Flax
+    (validation.check_values), and the installed versions first."""
+    import importlib.metadata
+
+    cfg = compose_config()
+    validation.check_values(cfg)  # these versions pass
+    monkeypatch.setattr(importlib.metadata, "version", {"jax": "0.11.2", "flax": "0.12.8"}.get)
+    with pytest.raises(ConfigError, match="flax 0.12.8 is installed with jax 0.11.2"):
+        validation.check_values(cfg)

@@ -6,9 +6,12 @@ must agree. Checks that need the mesh live in parallel/mesh.py and parallel/shar
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import math
+import re
 from dataclasses import dataclass
+from typing import Callable
 
 from tunix_train.config import (LORA_TARGETS, CheckpointConfig, Config, ConfigError, DataConfig,
                                 LoggingConfig, LoraConfig, ModelConfig)
@@ -120,8 +123,30 @@ _RANGES = {
 }
 
 
+def check_installed(version: Callable[[str], str] | None = None) -> None:
+    """Installed packages that cannot work together, said before either is imported: jax 0.11
+    removed what flax 0.12.9 and older import (`jax.experimental.hijax.HiPrimitive`), and pip
+    cannot refuse that pairing (those flax releases set no upper bound on jax), so such a
+    command would otherwise end in flax's AttributeError. `version`: the installed version of a
+    distribution (importlib.metadata's by default; jax imports that module anyway)."""
+    version = version or importlib.metadata.version
+    jax_version, flax_version = version("jax"), version("flax")
+    if _release(jax_version) >= (0, 11) and _release(flax_version) < (0, 12, 10):
+        raise ConfigError(f"flax {flax_version} is installed with jax {jax_version}, and flax "
+                          f"older than 0.12.10 does not import on jax 0.11 or newer: pip install "
+                          f"'flax>=0.12.10', or go back to the pinned versions with pip install "
+                          f"-c constraints.txt -e .")
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """"0.12.10" → (0, 12, 10); a pre-release or local suffix is ignored."""
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
 def check_values(cfg: Config) -> None:
-    """The ranges and choices of single keys: ConfigError for the first value outside them."""
+    """The ranges and choices of single keys: ConfigError for the first value outside them.
+    First, whether the installed packages can run at all (`check_installed`)."""
+    check_installed()
     for (section, key), allowed in _RANGES.items():
         value = getattr(getattr(cfg, section), key)
         if value is not None and value not in allowed:
