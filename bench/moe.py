@@ -12,11 +12,20 @@ step(MoE) / step(dense) is what routing costs: the router, the sort, the tiles' 
 most half the rows again) and moving rows to their experts and back. `model.moe_matmul=
 ragged_dot` (jax.lax.ragged_dot, which XLA's CPU compiler turns into every row times every
 expert) is timed beside it. The last line is JSON.
+
+The widths (d = 256, F = 512 by default) and what is timed can be changed:
+
+    MOE_EMBED_DIM=512 MOE_EXPERT_WIDTH=1024 MOE_VARIANTS=tiles \
+        XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/moe.py
+
+(heads of 64: d / 64 heads, half as many key-value heads; `MOE_VARIANTS` names the MoE runs,
+comma-separated, of `tiles` and `ragged_dot`; on the ep mesh the bounded blocks are timed too.)
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import jax
@@ -24,9 +33,12 @@ import jax
 from timing import alternating_medians, train_stepper
 
 ROUNDS, STEPS_PER_ROUND, WARMUP = 5, 2, 1
-EXPERTS, TOP_K, EXPERT_WIDTH = 8, 2, 512
-SHARED = ["model.num_layers=4", "model.embed_dim=256", "model.num_heads=4",
-          "model.num_kv_heads=2", "model.head_dim=64", "model.vocab_size=512",
+EXPERTS, TOP_K = 8, 2
+EMBED_DIM = int(os.environ.get("MOE_EMBED_DIM", 256))
+EXPERT_WIDTH = int(os.environ.get("MOE_EXPERT_WIDTH", 512))
+SHARED = ["model.num_layers=4", f"model.embed_dim={EMBED_DIM}",
+          f"model.num_heads={EMBED_DIM // 64}", f"model.num_kv_heads={EMBED_DIM // 128}",
+          "model.head_dim=64", "model.vocab_size=512",
           "data.seq_len=256", "training.mixed_precision=fp32"]
 MOE = ["model=qwen3_moe_tiny", f"model.num_experts={EXPERTS}",
        f"model.experts_per_token={TOP_K}", f"model.expert_hidden_dim={EXPERT_WIDTH}"]
@@ -38,7 +50,9 @@ MESHES = {"1 device": ('model.mesh_shape=[[1,1],["fsdp","tp"]]',) * 2 + (1, 1),
                             'model.mesh_shape=[[8,1],["fsdp","tp"]]', 8, 8)}
 # The MoE runs timed against the dense one: the default, ragged_dot, and on an ep mesh the
 # exchange's blocks bounded at twice a shard's mean share (dropless blocks: the worst case).
-VARIANTS = {"tiles": [], "ragged_dot": ["model.moe_matmul=ragged_dot"]}
+VARIANTS = {name: extra for name, extra in
+            {"tiles": [], "ragged_dot": ["model.moe_matmul=ragged_dot"]}.items()
+            if name in os.environ.get("MOE_VARIANTS", "tiles,ragged_dot").split(",")}
 EP_VARIANTS = {"tiles_blocks_2x": ["model.moe_ep_buffer_factor=2"]}
 
 
@@ -59,6 +73,7 @@ def main(overrides: list[str]) -> dict:
         print(f"{name}: dense {row['dense_ms']} ms, " + ", ".join(
             f"MoE {v} {row[f'{v}_ms']} ms (ratio {row[f'ratio_{v}']})" for v in variants))
     result = {"rows": rows, "experts": EXPERTS, "top_k": TOP_K, "expert_width": EXPERT_WIDTH,
+              "embed_dim": EMBED_DIM,
               "device_kind": jax.devices()[0].device_kind}
     print(json.dumps(result))
     return result
