@@ -50,13 +50,30 @@ MESHES = {"1 device": ('model.mesh_shape=[[1,1],["fsdp","tp"]]',) * 2 + (1, 1),
                             'model.mesh_shape=[[8,1],["fsdp","tp"]]', 8, 8)}
 # The MoE runs timed against the dense one: the default, ragged_dot, and on an ep mesh the
 # exchange's blocks bounded at twice a shard's mean share (dropless blocks: the worst case).
-VARIANTS = {name: extra for name, extra in
-            {"tiles": [], "ragged_dot": ["model.moe_matmul=ragged_dot"]}.items()
-            if name in os.environ.get("MOE_VARIANTS", "tiles,ragged_dot").split(",")}
+ALL_VARIANTS = {"tiles": [], "ragged_dot": ["model.moe_matmul=ragged_dot"]}
+VARIANTS = {name: ALL_VARIANTS.get(name) for name in
+            os.environ.get("MOE_VARIANTS", ",".join(ALL_VARIANTS)).split(",")}
 EP_VARIANTS = {"tiles_blocks_2x": ["model.moe_ep_buffer_factor=2"]}
 
 
+def _check_knobs() -> None:
+    """Bad knobs are one sentence and exit 2, before anything compiles."""
+    unknown = [name for name, extra in VARIANTS.items() if extra is None]
+    if unknown:
+        _refuse(f"error: MOE_VARIANTS names {', '.join(unknown)}; give a comma-separated list "
+                 f"of {', '.join(ALL_VARIANTS)}.")
+    if EMBED_DIM % 128:
+        _refuse(f"error: MOE_EMBED_DIM={EMBED_DIM} is not a multiple of 128 (heads of 64, half "
+                 "as many key-value heads); give 256, 384, 512, ...")
+
+
+def _refuse(sentence: str) -> None:
+    print(sentence, file=sys.stderr)
+    sys.exit(2)
+
+
 def main(overrides: list[str]) -> dict:
+    _check_knobs()
     rows = []
     for name, (mesh, dense_mesh, devices, ranks) in MESHES.items():
         micro = [f"training.micro_batch_size={8 // ranks}"]
