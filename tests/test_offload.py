@@ -130,8 +130,9 @@ def test_offloaded_parameters_give_the_losses_and_state_of_the_run_without(overr
     order), the parameters within 1% of one Adam step at the peak learning rate. Adam's step
     m/√v is about lr whatever the gradient's size, so an entry whose gradient is mostly rounding
     (LoRA's A while B is still near zero) moves by a rounding-sensitive fraction of lr: 2.0e-6
-    against lr 3e-3 in one entry of q_lora's A on an AMD EPYC VM (2026-12-02), 2e-7 elsewhere;
-    an update lost or applied twice moves a parameter by about lr. Between steps the
+    and 1.6e-6 against lr 3e-3 in one entry each of q_lora's and down_lora's A on an AMD EPYC
+    VM (2026-12-02), under 2.4e-7 elsewhere; an update lost or applied twice moves a parameter
+    by about lr. Between steps the
     parameters, the moments and LoRA's base are in pinned host memory, the step counters on the
     device; evaluation reads them from there."""
     devices = jax.devices()[:1] if overrides[0] == mesh_arg(1, 1) else None
