@@ -132,15 +132,15 @@ def test_offloaded_parameters_give_the_losses_and_state_of_the_run_without(overr
     (LoRA's A while B is still near zero) moves by a rounding-sensitive fraction of lr: 2.0e-6
     and 1.6e-6 against lr 3e-3 in one entry each of q_lora's and down_lora's A on an AMD EPYC
     VM (2026-12-02), under 2.4e-7 elsewhere; an update lost or applied twice moves a parameter
-    by about lr. Between steps the
-    parameters, the moments and LoRA's base are in pinned host memory, the step counters on the
-    device; evaluation reads them from there."""
+    by about lr. Between steps the parameters, the moments and LoRA's base are in pinned host
+    memory, the step counters on the device; evaluation reads them from there."""
     devices = jax.devices()[:1] if overrides[0] == mesh_arg(1, 1) else None
     base = [*ONE_STACK, *overrides]
     on_device, _, want, reference = compiled_run(compose_config(*base), STEPS, devices)
     setup, costs, got, state = compiled_run(compose_config(*base, *PARAMS_OFF), STEPS, devices)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     step = on_device.cfg.optimizer.lr
+    assert state.keys() == reference.keys()
     for part in state:
         atol = step / 100 if part == "params" else 1e-6
         for a, b in zip(jax.tree.leaves(state[part]), jax.tree.leaves(reference[part]),
