@@ -126,8 +126,8 @@ PARAMS_OFF = ["training.offload_params=true", "training.offload_optimizer=true"]
 ], ids=["1x1", "4x2-accum2", "4x2-zero2", "4x2-zero1-lora"])
 def test_offloaded_parameters_give_the_losses_and_state_of_the_run_without(overrides):
     """Losses equal the run with everything on the device (fp32, 1e-6), and so does every array
-    of the final state: the moments within 1e-6 (the clip's global norm is summed in another
-    order), the parameters within 1% of one Adam step at the peak learning rate. Adam's step
+    of the final state: the moments, LoRA's base and the counters within 1e-6 (the clip's
+    global norm is summed in another order), the parameters within 1% of one Adam step at the peak learning rate. Adam's step
     m/√v is about lr whatever the gradient's size, so an entry whose gradient is mostly rounding
     (LoRA's A while B is still near zero) moves by a rounding-sensitive fraction of lr: 2.0e-6
     and 1.6e-6 against lr 3e-3 in one entry each of q_lora's and down_lora's A on an AMD EPYC
@@ -139,10 +139,10 @@ def test_offloaded_parameters_give_the_losses_and_state_of_the_run_without(overr
     on_device, _, want, reference = compiled_run(compose_config(*base), STEPS, devices)
     setup, costs, got, state = compiled_run(compose_config(*base, *PARAMS_OFF), STEPS, devices)
     np.testing.assert_allclose(got, want, rtol=1e-6)
-    step = on_device.cfg.optimizer.lr
+    lr = on_device.cfg.optimizer.lr
     assert state.keys() == reference.keys()
     for part in state:
-        atol = step / 100 if part == "params" else 1e-6
+        atol = lr / 100 if part == "params" else 1e-6
         for a, b in zip(jax.tree.leaves(state[part]), jax.tree.leaves(reference[part]),
                         strict=True):
             np.testing.assert_allclose(jax.device_get(a), jax.device_get(b), rtol=1e-5,
