@@ -20,6 +20,17 @@ The widths (d = 256, F = 512 by default) and what is timed can be changed:
 
 (heads of 64: d / 64 heads, half as many key-value heads; `MOE_VARIANTS` names the MoE runs,
 comma-separated, of `tiles` and `ragged_dot`; on the ep mesh the bounded blocks are timed too.)
+
+So can the batch, `MOE_SEQUENCES` sequences of 256 tokens a step (8 by default, a multiple of
+8), and the meshes timed, `MOE_MESHES` (comma-separated, of `1`, `fsdp4xtp2` and `fsdp2xep4`).
+The tiles' padding is a fixed number of rows a device (at most E tiles' worth, tiles of up to
+256 rows), so its share of the work falls as each device's tokens grow:
+
+    MOE_SEQUENCES=128 MOE_MESHES=1,fsdp4xtp2 MOE_VARIANTS=tiles \
+        XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/moe.py
+
+(8,192 tokens on each of fsdp 4's data-parallel ranks, 32,768 on one device:
+docs/performance.md).
 """
 
 from __future__ import annotations
@@ -36,18 +47,22 @@ ROUNDS, STEPS_PER_ROUND, WARMUP = 5, 2, 1
 EXPERTS, TOP_K = 8, 2
 EMBED_DIM = int(os.environ.get("MOE_EMBED_DIM", 256))
 EXPERT_WIDTH = int(os.environ.get("MOE_EXPERT_WIDTH", 512))
+SEQUENCES, SEQ_LEN = int(os.environ.get("MOE_SEQUENCES", 8)), 256
 SHARED = ["model.num_layers=4", f"model.embed_dim={EMBED_DIM}",
           f"model.num_heads={EMBED_DIM // 64}", f"model.num_kv_heads={EMBED_DIM // 128}",
           "model.head_dim=64", "model.vocab_size=512",
-          "data.seq_len=256", "training.mixed_precision=fp32"]
+          f"data.seq_len={SEQ_LEN}", "training.mixed_precision=fp32"]
 MOE = ["model=qwen3_moe_tiny", f"model.num_experts={EXPERTS}",
        f"model.experts_per_token={TOP_K}", f"model.expert_hidden_dim={EXPERT_WIDTH}"]
 DENSE = ["model=qwen3_tiny", f"model.hidden_dim={TOP_K * EXPERT_WIDTH}"]
 # name: (the MoE's mesh, the dense model's, devices, data-parallel ranks)
-MESHES = {"1 device": ('model.mesh_shape=[[1,1],["fsdp","tp"]]',) * 2 + (1, 1),
-          "fsdp 4 x tp 2": ('model.mesh_shape=[[4,2],["fsdp","tp"]]',) * 2 + (8, 4),
-          "fsdp 2 x ep 4": ('model.mesh_shape=[[2,4,1],["fsdp","ep","tp"]]',
+ALL_MESHES = {"1": ('model.mesh_shape=[[1,1],["fsdp","tp"]]',) * 2 + (1, 1),
+              "fsdp4xtp2": ('model.mesh_shape=[[4,2],["fsdp","tp"]]',) * 2 + (8, 4),
+              "fsdp2xep4": ('model.mesh_shape=[[2,4,1],["fsdp","ep","tp"]]',
                             'model.mesh_shape=[[8,1],["fsdp","tp"]]', 8, 8)}
+MESH_NAMES = {"1": "1 device", "fsdp4xtp2": "fsdp 4 x tp 2", "fsdp2xep4": "fsdp 2 x ep 4"}
+MESHES = {name: ALL_MESHES.get(name) for name in
+          os.environ.get("MOE_MESHES", ",".join(ALL_MESHES)).split(",")}
 # The MoE runs timed against the dense one: the default, ragged_dot, and on an ep mesh the
 # exchange's blocks bounded at twice a shard's mean share (dropless blocks: the worst case).
 ALL_VARIANTS = {"tiles": [], "ragged_dot": ["model.moe_matmul=ragged_dot"]}
@@ -62,6 +77,13 @@ def _check_knobs() -> None:
     if unknown:
         _refuse(f"error: MOE_VARIANTS names {', '.join(unknown)}; give a comma-separated list "
                  f"of {', '.join(ALL_VARIANTS)}.")
+    unknown = [name for name, mesh in MESHES.items() if mesh is None]
+    if unknown:
+        _refuse(f"error: MOE_MESHES names {', '.join(unknown)}; give a comma-separated list "
+                f"of {', '.join(ALL_MESHES)}.")
+    if SEQUENCES < 8 or SEQUENCES % 8:
+        _refuse(f"error: MOE_SEQUENCES={SEQUENCES} is not a positive multiple of 8 (every "
+                "mesh's data-parallel ranks take whole sequences); give 8, 16, 32, ...")
     if EMBED_DIM % 128:
         _refuse(f"error: MOE_EMBED_DIM={EMBED_DIM} is not a multiple of 128 (heads of 64, half "
                  "as many key-value heads); give 256, 384, 512, ...")
@@ -75,8 +97,9 @@ def _refuse(sentence: str) -> None:
 def main(overrides: list[str]) -> dict:
     _check_knobs()
     rows = []
-    for name, (mesh, dense_mesh, devices, ranks) in MESHES.items():
-        micro = [f"training.micro_batch_size={8 // ranks}"]
+    for key, (mesh, dense_mesh, devices, ranks) in MESHES.items():
+        name = MESH_NAMES[key]
+        micro = [f"training.micro_batch_size={SEQUENCES // ranks}"]
         variants = {**VARIANTS, **(EP_VARIANTS if '"ep"' in mesh else {})}
         runs = {"dense": train_stepper([*DENSE, *SHARED, *overrides, dense_mesh, *micro],
                                        devices)[1]}
@@ -90,7 +113,7 @@ def main(overrides: list[str]) -> dict:
         print(f"{name}: dense {row['dense_ms']} ms, " + ", ".join(
             f"MoE {v} {row[f'{v}_ms']} ms (ratio {row[f'ratio_{v}']})" for v in variants))
     result = {"rows": rows, "experts": EXPERTS, "top_k": TOP_K, "expert_width": EXPERT_WIDTH,
-              "embed_dim": EMBED_DIM,
+              "embed_dim": EMBED_DIM, "sequences": SEQUENCES, "seq_len": SEQ_LEN,
               "device_kind": jax.devices()[0].device_kind}
     print(json.dumps(result))
     return result
