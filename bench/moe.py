@@ -45,9 +45,21 @@ from timing import alternating_medians, train_stepper
 
 ROUNDS, STEPS_PER_ROUND, WARMUP = 5, 2, 1
 EXPERTS, TOP_K = 8, 2
-EMBED_DIM = int(os.environ.get("MOE_EMBED_DIM", 256))
-EXPERT_WIDTH = int(os.environ.get("MOE_EXPERT_WIDTH", 512))
-SEQUENCES, SEQ_LEN = int(os.environ.get("MOE_SEQUENCES", 8)), 256
+
+
+def _whole_number(knob: str, default: int) -> int:
+    """An integer knob; anything else is one sentence and exit 2, before anything compiles."""
+    value = os.environ.get(knob, str(default))
+    if not value.isdigit():
+        print(f"error: {knob}={value} is not a whole number; give one such as {default}.",
+              file=sys.stderr)
+        sys.exit(2)
+    return int(value)
+
+
+EMBED_DIM = _whole_number("MOE_EMBED_DIM", 256)
+EXPERT_WIDTH = _whole_number("MOE_EXPERT_WIDTH", 512)
+SEQUENCES, SEQ_LEN = _whole_number("MOE_SEQUENCES", 8), 256
 SHARED = ["model.num_layers=4", f"model.embed_dim={EMBED_DIM}",
           f"model.num_heads={EMBED_DIM // 64}", f"model.num_kv_heads={EMBED_DIM // 128}",
           "model.head_dim=64", "model.vocab_size=512",
@@ -55,12 +67,13 @@ SHARED = ["model.num_layers=4", f"model.embed_dim={EMBED_DIM}",
 MOE = ["model=qwen3_moe_tiny", f"model.num_experts={EXPERTS}",
        f"model.experts_per_token={TOP_K}", f"model.expert_hidden_dim={EXPERT_WIDTH}"]
 DENSE = ["model=qwen3_tiny", f"model.hidden_dim={TOP_K * EXPERT_WIDTH}"]
-# name: (the MoE's mesh, the dense model's, devices, data-parallel ranks)
-ALL_MESHES = {"1": ('model.mesh_shape=[[1,1],["fsdp","tp"]]',) * 2 + (1, 1),
-              "fsdp4xtp2": ('model.mesh_shape=[[4,2],["fsdp","tp"]]',) * 2 + (8, 4),
-              "fsdp2xep4": ('model.mesh_shape=[[2,4,1],["fsdp","ep","tp"]]',
+# MOE_MESHES key: (name, the MoE's mesh, the dense model's, devices, data-parallel ranks)
+ONE_DEVICE = 'model.mesh_shape=[[1,1],["fsdp","tp"]]'
+FSDP_TP = 'model.mesh_shape=[[4,2],["fsdp","tp"]]'
+ALL_MESHES = {"1": ("1 device", ONE_DEVICE, ONE_DEVICE, 1, 1),
+              "fsdp4xtp2": ("fsdp 4 x tp 2", FSDP_TP, FSDP_TP, 8, 4),
+              "fsdp2xep4": ("fsdp 2 x ep 4", 'model.mesh_shape=[[2,4,1],["fsdp","ep","tp"]]',
                             'model.mesh_shape=[[8,1],["fsdp","tp"]]', 8, 8)}
-MESH_NAMES = {"1": "1 device", "fsdp4xtp2": "fsdp 4 x tp 2", "fsdp2xep4": "fsdp 2 x ep 4"}
 MESHES = {name: ALL_MESHES.get(name) for name in
           os.environ.get("MOE_MESHES", ",".join(ALL_MESHES)).split(",")}
 # The MoE runs timed against the dense one: the default, ragged_dot, and on an ep mesh the
@@ -97,8 +110,7 @@ def _refuse(sentence: str) -> None:
 def main(overrides: list[str]) -> dict:
     _check_knobs()
     rows = []
-    for key, (mesh, dense_mesh, devices, ranks) in MESHES.items():
-        name = MESH_NAMES[key]
+    for name, mesh, dense_mesh, devices, ranks in MESHES.values():
         micro = [f"training.micro_batch_size={SEQUENCES // ranks}"]
         variants = {**VARIANTS, **(EP_VARIANTS if '"ep"' in mesh else {})}
         runs = {"dense": train_stepper([*DENSE, *SHARED, *overrides, dense_mesh, *micro],
