@@ -115,7 +115,14 @@ if TIMING_DIR:  # opt-in: where each test's time goes (tests/timing/compile_log.
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):
         COMPILE_LOG.test = item.nodeid
+        before = os.times()
         yield
+        # CPU seconds of the worker and of the subprocesses it waited for: a test whose wall
+        # time is far above them was waiting (a timeout, a poll, a grace period), not working.
+        after, totals = os.times(), COMPILE_LOG.totals[item.nodeid]
+        totals["cpu_s"] += after.user + after.system - before.user - before.system
+        totals["sub_cpu_s"] += (after.children_user + after.children_system
+                                - before.children_user - before.children_system)
         COMPILE_LOG.flush()
         COMPILE_LOG.test = "(outside a test)"
 

@@ -1,6 +1,8 @@
 """Where the suite's time goes, per test and per file: wall time (pytest's JUnit XML, setup and
 teardown included, so a module fixture counts in the test that built it) against XLA compile
-time (tests/timing/compile_log.py's records, in-process and in the test's subprocesses).
+time (tests/timing/compile_log.py's records, in-process and in the test's subprocesses), and
+against CPU time (the worker's and that of the subprocesses it waited for; tests/conftest.py):
+a test far above both was waiting, not working.
 
     TUNIX_TEST_TIMING=/tmp/timing python -m pytest -q --junitxml=/tmp/junit.xml
     python tests/timing/report.py /tmp/timing /tmp/junit.xml [--top 30]
@@ -41,11 +43,11 @@ def row(name: str, wall: float, c: dict) -> str:
     sub = c.get("sub_compile_s", 0) + c.get("sub_trace_s", 0) + c.get("sub_lower_s", 0)
     return (f"| {wall:7.1f} | {compiled:6.1f} | {int(c.get('misses', 0)):4d} | "
             f"{int(c.get('sub_processes', 0)):3d} | {c.get('sub_wall_s', 0):6.1f} | {sub:6.1f} | "
-            f"{name} |")
+            f"{c.get('cpu_s', 0):6.1f} | {c.get('sub_cpu_s', 0):6.1f} | {name} |")
 
 
-HEADER = ("| wall s | compile s | misses | subprocs | their wall s | their compile s | test |\n"
-          "|---:|---:|---:|---:|---:|---:|---|")
+HEADER = ("| wall s | compile s | misses | subprocs | their wall s | their compile s | CPU s | "
+          "their CPU s | test |\n|---:|---:|---:|---:|---:|---:|---:|---:|---|")
 
 
 def main() -> None:
