@@ -118,7 +118,8 @@ if TIMING_DIR:  # opt-in: where each test's time goes (tests/timing/compile_log.
         before = os.times()
         yield
         # CPU seconds of the worker and of the subprocesses it waited for: a test whose wall
-        # time is far above them was waiting (a timeout, a poll, a grace period), not working.
+        # time is far above them was waiting (a timeout, a poll, a grace period, or the cores
+        # the other worker held), not working.
         after, totals = os.times(), COMPILE_LOG.totals[item.nodeid]
         totals["cpu_s"] += after.user + after.system - before.user - before.system
         totals["sub_cpu_s"] += (after.children_user + after.children_system

@@ -2,7 +2,7 @@
 teardown included, so a module fixture counts in the test that built it) against XLA compile
 time (tests/timing/compile_log.py's records, in-process and in the test's subprocesses), and
 against CPU time (the worker's and that of the subprocesses it waited for; tests/conftest.py):
-a test far above both was waiting, not working.
+a test far above both was waiting (or for the cores the other worker held), not working.
 
     TUNIX_TEST_TIMING=/tmp/timing python -m pytest -q --junitxml=/tmp/junit.xml
     python tests/timing/report.py /tmp/timing /tmp/junit.xml [--top 30]
