@@ -44,6 +44,22 @@ class CompileLog:
 
         monitoring.register_event_duration_secs_listener(on_duration)
         monitoring.register_event_listener(on_event)
+        self._log_programs()
+
+    def _log_programs(self) -> None:
+        """Each persistent-cache lookup's program name and key, under the running test: a key
+        looked up twice in one process is a program traced and lowered twice (a shared fixture
+        could keep it), one looked up in several processes the same program compiled or read
+        in each. JAX reports no key of its own, so this wraps its private `_cache_read`."""
+        from jax._src import compiler
+
+        read = compiler._cache_read
+
+        def logged_read(module_name, cache_key, *args, **kwargs):
+            self.totals[self.test].setdefault("programs", []).append([module_name, cache_key])
+            return read(module_name, cache_key, *args, **kwargs)
+
+        compiler._cache_read = logged_read
 
     def flush(self) -> None:
         with open(self.path, "a") as f:

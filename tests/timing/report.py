@@ -33,6 +33,7 @@ def compile_times(folder: Path) -> dict[str, dict[str, float]]:
         for record in map(json.loads, file.read_text().splitlines()):
             prefix = "sub_" if record.pop("subprocess") else ""
             totals = out[record.pop("test")]
+            record.pop("programs", None)  # repeated_programs() reads them
             for key, value in record.items():
                 totals[prefix + key] += value
     return out
