@@ -39,6 +39,40 @@ def compile_times(folder: Path) -> dict[str, dict[str, float]]:
     return out
 
 
+def repeated_programs(folder: Path, top: int) -> str:
+    """The compilation-cache lookups of one program (name, key) made again in the same process
+    (it was traced and lowered again: a fixture shared across tests, or one function jitted
+    once, would keep it) and in several processes (compiled or read in each), by program."""
+    again: dict = defaultdict(lambda: [0, set()])  # name → [lookups again, files]
+    processes: dict = defaultdict(set)  # (name, key) → the processes that looked it up
+    for file in folder.glob("*.jsonl"):
+        seen: set = set()
+        for record in map(json.loads, file.read_text().splitlines()):
+            for name, key in record.get("programs", []):
+                processes[name, key].add(file.stem)
+                if (name, key) in seen:
+                    again[name][0] += 1
+                    again[name][1].add(record["test"].split("::")[0])
+                seen.add((name, key))
+    shared: dict = defaultdict(lambda: [0, 0])  # name → [programs, processes beyond the first]
+    for (name, _), pids in processes.items():
+        if len(pids) > 1:
+            shared[name][0] += 1
+            shared[name][1] += len(pids) - 1
+    lines = [f"## Programs looked up again in the same process "
+             f"({sum(n for n, _ in again.values())} lookups)\n",
+             "| lookups again | program | files |", "|---:|---|---|"]
+    for name, (n, files) in sorted(again.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"| {n} | {name} | {len(files)} |")
+    lines += [f"\n## Programs looked up in more than one process "
+              f"({len(processes)} programs, {sum(p for _, p in shared.values())} lookups beyond "
+              f"each program's first process)\n",
+              "| programs | lookups beyond the first process | program |", "|---:|---:|---|"]
+    for name, (n, extra) in sorted(shared.items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append(f"| {n} | {extra} | {name} |")
+    return "\n".join(lines)
+
+
 def row(name: str, wall: float, c: dict) -> str:
     compiled = c.get("compile_s", 0) + c.get("trace_s", 0) + c.get("lower_s", 0)
     sub = c.get("sub_compile_s", 0) + c.get("sub_trace_s", 0) + c.get("sub_lower_s", 0)
@@ -71,6 +105,7 @@ def main() -> None:
           f"{sum(walls.values()) / 60:.1f} worker-minutes)\n\n{HEADER}")
     for name, (wall, c) in sorted(files.items(), key=lambda kv: -kv[1][0]):
         print(row(name, wall, c))
+    print("\n" + repeated_programs(args.timing, args.top))
 
 
 if __name__ == "__main__":
