@@ -39,11 +39,13 @@ def compile_times(folder: Path) -> dict[str, dict[str, float]]:
     return out
 
 
-def repeated_programs(folder: Path, top: int) -> str:
-    """The compilation-cache lookups of one program (name, key) made again in the same process
-    (it was traced and lowered again: a fixture shared across tests, or one function jitted
-    once, would keep it) and in several processes (compiled or read in each), by program."""
-    again: dict = defaultdict(lambda: [0, set()])  # name → [lookups again, files]
+def program_lookups(folder: Path) -> tuple[dict, dict]:
+    """From the compilation-cache lookups (program name, key) of every process: by program
+    name, [lookups of a program the same process had looked up before (traced and lowered
+    again: a fixture shared across tests, or one function jitted once, would keep it), the
+    files of the tests that made them], and [programs looked up in several processes, the
+    processes beyond each one's first (each compiled or read it itself)]."""
+    again: dict = defaultdict(lambda: [0, set()])
     processes: dict = defaultdict(set)  # (name, key) → the processes that looked it up
     for file in folder.glob("*.jsonl"):
         seen: set = set()
@@ -54,20 +56,25 @@ def repeated_programs(folder: Path, top: int) -> str:
                     again[name][0] += 1
                     again[name][1].add(record["test"].split("::")[0])
                 seen.add((name, key))
-    shared: dict = defaultdict(lambda: [0, 0])  # name → [programs, processes beyond the first]
+    shared: dict = defaultdict(lambda: [0, 0])
     for (name, _), pids in processes.items():
         if len(pids) > 1:
             shared[name][0] += 1
             shared[name][1] += len(pids) - 1
+    return again, shared
+
+
+def repeated_programs(folder: Path, top: int) -> str:
+    """program_lookups() as two tables, the most repeated programs first."""
+    again, shared = program_lookups(folder)
     lines = [f"## Programs looked up again in the same process "
              f"({sum(n for n, _ in again.values())} lookups)\n",
              "| lookups again | program | files |", "|---:|---|---|"]
     for name, (n, files) in sorted(again.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"| {n} | {name} | {len(files)} |")
     lines += [f"\n## Programs looked up in more than one process "
-              f"({len(processes)} programs, {sum(p for _, p in shared.values())} lookups beyond "
-              f"each program's first process)\n",
-              "| programs | lookups beyond the first process | program |", "|---:|---:|---|"]
+              f"({sum(p for _, p in shared.values())} processes beyond each program's first)\n",
+              "| programs | processes beyond the first | program |", "|---:|---:|---|"]
     for name, (n, extra) in sorted(shared.items(), key=lambda kv: -kv[1][1])[:top]:
         lines.append(f"| {n} | {extra} | {name} |")
     return "\n".join(lines)
