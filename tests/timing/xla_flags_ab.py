@@ -20,12 +20,17 @@ import tempfile
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent.parent
-PROGRAMS = {
-    "one stack, 1 device": ["ONE_STACK", "model.mesh_shape=[[1,1],[fsdp,tp]]"],
-    "pipeline 2x2x2": ["TINY", "model.num_layers=9", "model.global_every=2",
-                       "training.global_batch_size=16", "training.gradient_accumulation_steps=2",
-                       "model.mesh_shape=[[2,2,2],[pp,fsdp,tp]]"],
-    "qwen3_moe 4x2": ["FAMILY:qwen3_moe", "model.mesh_shape=[[4,2],[fsdp,tp]]"],
+sys.path.insert(0, str(TESTS))
+
+from compile_flags import FAST_COMPILE  # noqa: E402
+from helpers import ONE_STACK, TINY, family_tiny, mesh_arg, mesh_of  # noqa: E402
+
+PROGRAMS = {  # name -> (overrides, devices)
+    "one stack, 1 device": ([*ONE_STACK, mesh_arg(1, 1)], 1),
+    "pipeline 2x2x2": ([*TINY, "model.num_layers=9", "model.global_every=2",
+                        "training.global_batch_size=16", "training.gradient_accumulation_steps=2",
+                        mesh_of([[2, 2, 2], ["pp", "fsdp", "tp"]])], 8),
+    "qwen3_moe 4x2": (family_tiny("qwen3_moe", mesh_arg(4, 2)), 8),
 }
 PHASES = ("trace", "lower", "compile")
 
@@ -37,14 +42,7 @@ import helpers
 from tunix_train import gc_policy
 from tunix_train.training.setup import Setup
 gc_policy.collect_less_often()
-head, *rest = {overrides!r}
-base = (helpers.family_tiny(head.split(":")[1]) if head.startswith("FAMILY:")
-        else getattr(helpers, head))
-cfg = helpers.compose_config(*base, *rest)
-count = 1
-for size in cfg.model.mesh_shape[0]:
-    count *= size
-setup = Setup.create(cfg, jax.devices()[:count])
+setup = Setup.create(helpers.compose_config(*{overrides!r}), jax.devices()[:{devices}])
 args = (setup.state.with_shardings(), setup.abstract_batch(None))
 out = {{}}
 for when in ("cold", "warm"):
@@ -59,19 +57,17 @@ print(json.dumps(out))
 
 def suite_flags(tested: str) -> list[str]:
     """The suite's XLA flags but those `tested` sets (the run without them)."""
-    sys.path.insert(0, str(TESTS))
-    from compile_flags import FAST_COMPILE
-
     names = {flag.split("=")[0] for flag in tested.split()}
     return [flag for flag in FAST_COMPILE if flag.split("=")[0] not in names]
 
 
-def one_process(overrides: list[str], flags: list[str]) -> dict:
+def one_process(program: tuple[list[str], int], flags: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": cache,
                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                "XLA_FLAGS": " ".join(["--xla_force_host_platform_device_count=8", *flags])}
-        code = CHILD.format(tests=str(TESTS), overrides=overrides)
+        overrides, devices = program
+        code = CHILD.format(tests=str(TESTS), overrides=overrides, devices=devices)
         result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                                 text=True)
     if result.returncode:
@@ -86,14 +82,14 @@ def main() -> None:
     parser.add_argument("--only", default="", help="the programs whose name holds this")
     args = parser.parse_args()
     report = {}
-    for name, overrides in PROGRAMS.items():
+    for name, program in PROGRAMS.items():
         if args.only not in name:
             continue
         times: dict = {False: [], True: []}
         for _ in range(args.rounds):
             for flagged in (False, True):
                 extra = args.flags.split() if flagged else []
-                times[flagged].append(one_process(overrides, [*suite_flags(args.flags), *extra]))
+                times[flagged].append(one_process(program, [*suite_flags(args.flags), *extra]))
         row = {}
         for when in ("cold", "warm"):
             for phase in PHASES:
