@@ -72,6 +72,11 @@ train() {  # name, overrides...: compile and 2 steps, bf16, in a run dir of its 
   check "$name" python3 run_training.py "${one[@]}" training.steps=2 logging.every_steps=1 \
     training.mixed_precision=bf16 checkpoint.every_steps=0 \
     hydra.run.dir="$runs/$name" "$@" "${small[@]}"
+  local rc=$?
+  # The run's final checkpoint is written and then dropped (the mixtures' are tens of GB, and
+  # the machine's /tmp filled up on 2026-12-04), except the one `restore` goes on from.
+  [ "$name" = save ] || rm -rf "$runs/$name/checkpoints"
+  return $rc
 }
 seq2k=(data.seq_len=2048 training.micro_batch_size=1)
 
