@@ -2,8 +2,9 @@
 # Every feature a GPU user can reach, each compiled and run for 2 steps on the local GPU: one line
 # each, `PASS name (s)` or `FAIL name (exit, s): the error's first line`; exits 1 if any failed.
 # Meant for a short GPU window, before any benchmark: the checks (about 25 s each, mostly start-up
-# and compilation; 12 minutes one after another on an H100, 2026-11-27) run GPU_CHECK_JOBS (4) at
-# a time, each process given 1/GPU_CHECK_JOBS of the GPU's memory:
+# and compilation; 12 minutes one after another on an H100, 2026-11-27; about 8 minutes four at a
+# time on an H200, 2026-12-04) run GPU_CHECK_JOBS (4) at a time, each process given
+# 1/GPU_CHECK_JOBS of the GPU's memory:
 #   bash bench/gpu_check.sh                      # from anywhere
 #   GPU_CHECK_ONLY='attention|lora' bash bench/gpu_check.sh   # the checks whose names match
 #   GPU_CHECK_JOBS=1 bash bench/gpu_check.sh     # one at a time, all of the GPU's memory each
@@ -124,7 +125,9 @@ moe=(model=qwen3_30b_a3b model.num_layers=2 model.num_experts=16 "${seq2k[@]}")
 together train family-qwen3_moe "${moe[@]}"
 together train moe-ragged_dot "${moe[@]}" model.moe_matmul=ragged_dot
 together train moe-capacity "${moe[@]}" model.moe_capacity_factor=1.25
-together train moe-tokamax "${moe[@]}" model.moe_matmul=tokamax  # its Pallas kernels
+# tokamax's Pallas kernels; a release whose kernels cannot run on this jax is refused by name
+# (training/experts.py), and the check fails with that sentence.
+together train moe-tokamax "${moe[@]}" model.moe_matmul=tokamax
 together train moe-pallas "${moe[@]}" model.moe_matmul=pallas  # models/grouped_matmul.py
 together train family-mixtral model=mixtral_8x7b model.num_layers=1 model.num_experts=4 \
   "${seq2k[@]}"
