@@ -126,7 +126,7 @@ together train family-qwen3_moe "${moe[@]}"
 together train moe-ragged_dot "${moe[@]}" model.moe_matmul=ragged_dot
 together train moe-capacity "${moe[@]}" model.moe_capacity_factor=1.25
 # tokamax's Pallas kernels; a release whose kernels cannot run on this jax is refused by name
-# (training/experts.py), and the check fails with that sentence.
+# (models/moe.py), and the check fails with that sentence.
 together train moe-tokamax "${moe[@]}" model.moe_matmul=tokamax
 together train moe-pallas "${moe[@]}" model.moe_matmul=pallas  # models/grouped_matmul.py
 together train family-mixtral model=mixtral_8x7b model.num_layers=1 model.num_experts=4 \

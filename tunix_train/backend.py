@@ -9,7 +9,7 @@ models/partitioning.py keeps one-device axes manual), cuDNN and the Pallas kerne
 (training/setup.py), a multi-process CPU job keys JAX's persistent cache by its devices' kinds
 (parallel/distributed.py), the start-up lines name the platform and advise CUDA's wheels on a
 machine whose GPUs JAX does not use (training/run.py, parallel/mesh.py), and tokamax's GPU
-kernels, which call what jax 0.11 removed, are refused by name (training/experts.py). Asking
+kernels, which call what jax 0.11 removed, are refused by name (models/moe.py). Asking
 here, and only here (tests/test_architecture.py), keeps that list short and findable: every
 difference between the program a CPU test runs and the one a GPU runs starts at a call to these
 functions.

@@ -18,6 +18,7 @@ the k experts' per token, not E's. Where this device holds only a shard of the e
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from tunix_train import backend
+from tunix_train.config import ConfigError
 from tunix_train.models import params as model_params
 from tunix_train.models.layers import PROJECTION
 
@@ -327,12 +329,39 @@ def ragged(expert_of_A: jax.Array, k: int, experts: int,
 def chosen_matmul(model, tp: int) -> str:
     """model.moe_matmul, `auto` decided: our Pallas kernels on a GPU, where they are measured
     faster than `tiles` (docs/performance.md), if XLA can keep them whole (tp = 1) and Triton's
-    dots fit the widths (multiples of 16); `tiles` elsewhere."""
+    dots fit the widths (multiples of 16); `tiles` elsewhere. A choice that cannot run here is
+    refused by name (training and inference both lay their parameters out through this)."""
+    if model.num_experts and model.moe_matmul == "tokamax":
+        _check_tokamax_runs()
     if model.moe_matmul != "auto":
         return model.moe_matmul
     widths = (model.embed_dim, model.expert_hidden_dim)
     fits = tp == 1 and all(width % 16 == 0 for width in widths)
     return "pallas" if backend.is_gpu() and fits else "tiles"
+
+
+# tokamax releases whose GPU kernels call what JAX 0.11 removed (bench/gpu_check.sh's
+# `moe-tokamax` and bench/grouped_matmul.py on an H100 and an H200, docs/performance.md):
+# the Mosaic GPU kernel Hopper gets passes plgpu.kernel an `out_shape` Mesh no longer takes,
+# and the Triton one calls pl.dot.
+_TOKAMAX_BROKEN_ON_JAX_0_11 = ("0.0.12",)
+
+
+def _check_tokamax_runs() -> None:
+    """On a CPU tokamax runs XLA's ragged_dot; on a GPU its kernels, which some releases
+    cannot run on this jax."""
+    if not backend.is_gpu():
+        return
+    try:
+        version = importlib.metadata.version("tokamax")
+    except importlib.metadata.PackageNotFoundError:
+        return  # validation.py says so, by name
+    jax_minor = tuple(int(part) for part in jax.__version__.split(".")[:2])
+    if version in _TOKAMAX_BROKEN_ON_JAX_0_11 and jax_minor >= (0, 11):
+        raise ConfigError(
+            f"model.moe_matmul=tokamax on a GPU: tokamax {version}'s GPU kernels do not run on "
+            f"jax {jax.__version__} (they call what jax 0.11 removed); set "
+            f"model.moe_matmul=pallas (our kernels) or auto, or use a newer tokamax.")
 
 
 def _tokamax(expert_of_A: jax.Array, k: int, experts: int) -> Rows:

@@ -3,11 +3,6 @@ and schedules its routing cannot run on, refused by name before anything compile
 
 from __future__ import annotations
 
-import importlib.metadata
-
-import jax
-
-from tunix_train import backend
 from tunix_train.config import Config, ConfigError
 from tunix_train.models import families, router_losses
 from tunix_train.parallel import mesh as mesh_lib, stages
@@ -15,7 +10,6 @@ from tunix_train.parallel import mesh as mesh_lib, stages
 
 def check_mesh(cfg: Config, shape: mesh_lib.MeshShape) -> None:
     _check_kernel_on_tp(cfg, shape.tp)
-    _check_tokamax_on_gpu(cfg)
     _check_expert_parallelism(cfg, shape)
 
 
@@ -37,28 +31,6 @@ def _check_kernel_on_tp(cfg: Config, tp: int) -> None:
             f"model.moe_matmul={kernels} with tp={tp} in model.mesh_shape: XLA cannot split "
             f"{kernels}'s kernels over tp and would gather the experts whole on every device; put "
             f"those devices on fsdp or ep, or set model.moe_matmul=tiles.")
-
-
-# tokamax releases whose GPU kernels call what JAX 0.11 removed (bench/gpu_check.sh's
-# `moe-tokamax` and bench/grouped_matmul.py on an H100 and an H200, docs/performance.md):
-# the Mosaic GPU kernel Hopper gets passes plgpu.kernel an `out_shape` Mesh no longer takes,
-# and the Triton one calls pl.dot.
-_TOKAMAX_BROKEN_ON_JAX_0_11 = ("0.0.12",)
-
-
-def _check_tokamax_on_gpu(cfg: Config) -> None:
-    if not (cfg.model.num_experts and cfg.model.moe_matmul == "tokamax" and backend.is_gpu()):
-        return
-    try:
-        version = importlib.metadata.version("tokamax")
-    except importlib.metadata.PackageNotFoundError:
-        return  # validation.py says so, by name
-    jax_minor = tuple(int(part) for part in jax.__version__.split(".")[:2])
-    if version in _TOKAMAX_BROKEN_ON_JAX_0_11 and jax_minor >= (0, 11):
-        raise ConfigError(
-            f"model.moe_matmul=tokamax on a GPU: tokamax {version}'s GPU kernels do not run on "
-            f"jax {jax.__version__} (they call what jax 0.11 removed); set "
-            f"model.moe_matmul=pallas (our kernels) or auto, or use a newer tokamax.")
 
 
 def _check_expert_parallelism(cfg: Config, shape: mesh_lib.MeshShape) -> None:
