@@ -131,14 +131,14 @@ def check_installed(version: Callable[[str], str] | None = None) -> None:
     distribution (importlib.metadata's by default; jax imports that module anyway)."""
     version = version or importlib.metadata.version
     jax_version, flax_version = version("jax"), version("flax")
-    if _release(jax_version) >= (0, 11) and _release(flax_version) < (0, 12, 10):
+    if release(jax_version) >= (0, 11) and release(flax_version) < (0, 12, 10):
         raise ConfigError(f"flax {flax_version} is installed with jax {jax_version}, and flax "
                           f"older than 0.12.10 does not import on jax 0.11 or newer: pip install "
                           f"'flax>=0.12.10', or go back to the pinned versions with pip install "
                           f"-c constraints.txt -e .")
 
 
-def _release(version: str) -> tuple[int, ...]:
+def release(version: str) -> tuple[int, ...]:
     """"0.12.10" → (0, 12, 10); a pre-release or local suffix is ignored."""
     return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
 

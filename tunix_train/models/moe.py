@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from tunix_train import backend
+from tunix_train import backend, validation
 from tunix_train.config import ConfigError
 from tunix_train.models import params as model_params
 from tunix_train.models.layers import PROJECTION
@@ -356,8 +356,7 @@ def _check_tokamax_runs() -> None:
         version = importlib.metadata.version("tokamax")
     except importlib.metadata.PackageNotFoundError:
         return  # validation.py says so, by name
-    jax_minor = tuple(int(part) for part in jax.__version__.split(".")[:2])
-    if version in _TOKAMAX_BROKEN_ON_JAX_0_11 and jax_minor >= (0, 11):
+    if version in _TOKAMAX_BROKEN_ON_JAX_0_11 and validation.release(jax.__version__) >= (0, 11):
         raise ConfigError(
             f"model.moe_matmul=tokamax on a GPU: tokamax {version}'s GPU kernels do not run on "
             f"jax {jax.__version__} (they call what jax 0.11 removed); set "
