@@ -15,6 +15,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -27,6 +28,7 @@ import pytest
 
 from faults import ENV as FAULTS
 from helpers import ONE_STACK, REPO, cli_env, mesh_arg, run_cli, sigterm_when_paused
+from tunix_train import checkpoint
 
 pytestmark = pytest.mark.slow
 STEPS = 10
@@ -207,6 +209,68 @@ def test_a_damaged_latest_step_falls_back_with_one_warning(reference, tmp_path):
     assert "resuming from step 8" in output
     assert_bitwise(run_dir, reference, [9, 10])
     assert (run_dir / "damaged_checkpoints" / "10").is_dir()
+
+
+def on_a_small_disk(tmp_path: Path, size: int, *overrides: str) -> tuple[int, str, Path]:
+    """run_training.py with its run dir on a disk of `size` bytes (a tmpfs mounted in a mount
+    namespace of its own: no root needed, nothing left mounted), which it may fill. Returns
+    the exit code, stderr and the run dir as it was left (copied off that disk)."""
+    disk, run_dir = tmp_path / "disk", tmp_path / "run"
+    disk.mkdir()
+    command = shlex.join([sys.executable, str(REPO / "run_training.py"), *BASE, *overrides,
+                          f"hydra.run.dir={disk / 'run'}"])
+    script = (f"mount -t tmpfs -o size={size} tmpfs {disk} || exit 90; {command}; rc=$?; "
+              f"cp -a {disk / 'run'} {run_dir}; exit $rc")
+    result = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                             script], cwd=tmp_path, env=cli_env(), capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode != 90, result.stderr[-2000:]
+    return result.returncode, result.stderr, run_dir
+
+
+def one_checkpoint(reference: Path) -> tuple[int, int]:
+    """(bytes of a checkpoint's arrays, uncompressed; bytes one takes on disk)."""
+    step_dir = reference / "checkpoints" / "2"
+    on_disk = sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file())
+    return checkpoint.saved_bytes(plain_orbax_state(step_dir)), on_disk
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "error:" in line]
+
+
+def test_a_disk_too_small_for_one_checkpoint_is_refused_before_compiling(reference, tmp_path):
+    arrays, _ = one_checkpoint(reference)
+    code, stderr, run_dir = on_a_small_disk(tmp_path, arrays // 2)
+    [sentence] = error_lines(stderr)
+    assert code == 6 and "Traceback" not in stderr, stderr[-3000:]
+    assert f"{tmp_path / 'disk' / 'run' / 'checkpoints'} has " in sentence
+    assert f"takes up to {arrays / 1e9:.3g} GB" in sentence and "hydra.run.dir" in sentence
+    assert "compil" not in stderr and not (run_dir / "metrics.jsonl").exists()
+
+
+def test_a_disk_that_fills_stops_with_the_last_step_intact_and_the_run_goes_on(reference,
+                                                                               tmp_path):
+    """Room for the first checkpoint (every 2 steps, none deleted) and half the second: step
+    4's save fails on a full disk; the run stops (exit 6) with one sentence, and step 2 is
+    whole: given room, the same command goes on from it to the uninterrupted run's losses."""
+    arrays, on_disk = one_checkpoint(reference)
+    args = ("checkpoint.every_steps=2", "checkpoint.keep=5")
+    code, stderr, run_dir = on_a_small_disk(tmp_path, max(arrays, on_disk) + on_disk // 2,
+                                            *args)
+    [sentence] = error_lines(stderr)
+    assert code == 6 and stderr.strip().splitlines()[-1] == sentence, stderr[-3000:]
+    # Neither Orbax's logged tracebacks nor Hydra's; what is left is tensorstore's writer
+    # threads printing that Orbax closed its event loop on the first failed write.
+    assert "raised an exception" not in stderr and "Error executing job" not in stderr
+    assert set(re.findall(r"\n(\w+Error: .*)", stderr)) <= {"RuntimeError: Event loop is closed"}
+    assert "could not save checkpoint step 4 in " in sentence and "No space left" in sentence
+    assert "the newest saved step, 2, is intact" in sentence
+    assert committed(run_dir) == [2]
+    output = train(run_dir, *args)
+    assert "resuming from step 2" in output
+    assert_bitwise(run_dir, reference, range(3, STEPS + 1))
+    assert not list((run_dir / "checkpoints").glob("*tmp*"))  # the half-written step is gone
 
 
 def test_nan_halt_exits_nonzero_naming_the_step_and_keeps_good_checkpoints(reference,

@@ -22,17 +22,28 @@ What can go wrong at restore, and what happens:
 - a storage error (an `OSError`, or tensorstore's UNAVAILABLE, DEADLINE_EXCEEDED, …): retried,
   then a loud failure (`StorageError`, exit code 6) that moves nothing;
 - anything else (a bad argument, a bug): raised at once, never retried, never called storage.
+
+And at save: a folder that cannot hold one more checkpoint of this run is refused at start-up,
+before the train step compiles (`check_room`); a save that fails for the storage's sake all the same
+(the disk filled meanwhile) stops the run with one sentence (`StorageError`, exit code 6) that
+names the step, the space and the newest committed step, which is intact (Orbax commits by
+rename, and deletes older steps only after a newer one committed) and where the same command
+goes on from. Its half-written step is removed when the run starts again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+import re
 import shutil
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -80,6 +91,21 @@ def _first_replica_array_handler() -> None:
 _first_replica_array_handler()
 
 
+class _OrbaxTracebacks(logging.Filter):
+    """Orbax logs a failed save's traceback (from its background threads, and again where it
+    is waited for), asyncio each of its writes' unretrieved failures, and then Orbax raises the
+    error, which reaches `Checkpoints`: a storage failure is said there once, in one sentence;
+    any other error is raised with its own traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        trace = record.exc_info[2] if record.exc_info else None
+        return not any("/orbax/" in frame.filename for frame in traceback.extract_tb(trace))
+
+
+for _logger in ("absl", "asyncio"):
+    logging.getLogger(_logger).addFilter(_OrbaxTracebacks())
+
+
 class _Manager(ocp.CheckpointManager):
     def reached_preemption(self, step: int) -> bool:
         # The loop owns JAX's preemption sync point (preemption.py) and calls it once per step;
@@ -96,28 +122,67 @@ class Checkpoints:
             max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save,
             cleanup_tmp_directories=True,  # leftovers of a save that a crash interrupted
         )
-        self.manager = _Manager(run_dir / "checkpoints", options=options, item_names=ITEMS)
+        self.directory = run_dir / "checkpoints"
+        self.manager = _Manager(self.directory, options=options, item_names=ITEMS)
+        self._in_flight: int | None = None  # the step whose save may still be running
+        self._failed = False
 
     def due(self, step: int) -> bool:
         return self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
 
     def save(self, step: int, state: Any, data_state: dict, config: dict) -> bool:
         """Starts saving `step` (in the background when async); False if it is already saved."""
+        self._wait()  # the previous save's failure is that step's, not this one's
         if self.manager.latest_step() == step:
             return False
         args = ocp.args.Composite(state=ocp.args.StandardSave(saved_part(state)),
                                   data=ocp.args.JsonSave(data_state),
                                   config=ocp.args.JsonSave(config))
-        # Returns once the arrays are copied off the devices: the next step may donate them.
-        self.manager.save(step, args=args, force=True)
+        self._in_flight = step
+        with self._storage_errors(state):
+            # Returns once the arrays are copied off the devices: the next step may donate them.
+            self.manager.save(step, args=args, force=True)
         return True
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def close(self) -> None:
-        """Waits until every started save has committed."""
+        """Waits until every started save has committed (after a failed one: only lets go)."""
+        if self._failed:
+            with contextlib.suppress(Exception):  # the failure has had its sentence
+                self.manager.close()
+            return
+        self._wait()
         self.manager.close()
+
+    def _wait(self) -> None:
+        if self._in_flight is not None:
+            with self._storage_errors():
+                self.manager.wait_until_finished()
+            self._in_flight = None
+
+    @contextlib.contextmanager
+    def _storage_errors(self, state: Any = None) -> Iterator[None]:
+        """A save that fails for the storage's sake (a full disk, a lost mount) becomes one
+        sentence (exit code 6); any other error is raised as it is."""
+        try:
+            yield
+        except Exception as error:  # noqa: BLE001 - sorted: storage or not
+            if not _is_storage(error):
+                raise
+            self._failed = True
+            size = "" if state is None else \
+                f", a checkpoint of this run takes up to {_gb(saved_bytes(state))} GB"
+            latest = self.manager.latest_step()
+            kept = (f"the newest saved step, {latest}, is intact: make room there (or lower "
+                    f"checkpoint.keep) and run the same command again to go on from it"
+                    if latest is not None else "no earlier step of this run was saved: make "
+                    "room there and run the same command again")
+            raise StorageError(
+                f"could not save checkpoint step {self._in_flight} in {self.directory} "
+                f"({_os_error(error)}; {_gb(_free_bytes(self.directory))} GB free there"
+                f"{size}); {kept}.") from error
 
 
 @dataclass(frozen=True)
@@ -136,6 +201,39 @@ def with_shardings(abstract: Any, shardings: Any) -> Any:
 def saved_part(state: dict) -> dict:
     """What of a train state (or of its layout) a checkpoint holds."""
     return {k: v for k, v in state.items() if k not in NOT_SAVED}
+
+
+def saved_bytes(state: dict) -> int:
+    """The bytes of the arrays a checkpoint of `state` (arrays or their shapes) holds,
+    uncompressed: what one checkpoint takes on disk at most, but a few kilobytes of metadata."""
+    return sum(leaf.size * np.dtype(leaf.dtype).itemsize
+               for leaf in jax.tree.leaves(saved_part(state)))
+
+
+def check_room(run_dir: Path, state: dict) -> None:
+    """Refuses a run whose checkpoint folder cannot hold one checkpoint of `state` (its shapes
+    suffice): its first save would fail, after the compilation and the steps before it. The
+    job's processes share the folder (Orbax's condition) and decide on process 0's reading."""
+    needed, free = saved_bytes(state), _free_bytes(run_dir / "checkpoints")
+    if jax.process_count() > 1:
+        free = int(multihost_utils.broadcast_one_to_all(np.array(free, np.int64)))
+    if free < needed:
+        raise StorageError(
+            f"{run_dir / 'checkpoints'} has {_gb(free)} GB free, and one checkpoint of this run "
+            f"takes up to {_gb(needed)} GB (its parameters and optimizer state): make room "
+            f"there, or give hydra.run.dir a folder on a disk with room.")
+
+
+def _free_bytes(directory: Path) -> int:
+    """Free bytes on the disk that holds `directory` (or would: its nearest existing parent)."""
+    directory = directory.absolute()
+    while not directory.exists():
+        directory = directory.parent
+    return shutil.disk_usage(directory).free
+
+
+def _gb(count: int) -> str:
+    return f"{count / 1e9:.3g}"
 
 
 def own_checkpoints(run_dir: Path) -> Path | None:
@@ -325,6 +423,20 @@ def _set_aside(directory: Path, steps: list[int], destination: Path) -> None:
             log.warning("moved damaged checkpoint step %d to %s", step, target)
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("tunix_train:damaged checkpoints set aside")
+
+
+def _os_error(error: BaseException) -> str:
+    """The system's words for the error under `error` (tensorstore spells it in a long line
+    that names a file: `… No space left on device [os_error_code='28']`), else its first line."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return f"{os.strerror(seen.errno)}, errno {seen.errno}"
+        code = re.search(r"os_error_code='(\d+)'", str(seen))
+        if code:
+            return f"{os.strerror(int(code.group(1)))}, errno {code.group(1)}"
+        seen = seen.__cause__ or seen.__context__
+    return _first_line(error)
 
 
 def _first_line(error: BaseException) -> str:

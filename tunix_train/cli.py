@@ -32,7 +32,7 @@ EXIT_CONFIG_ERROR = 2
 EXIT_NON_FINITE = 3  # training.nan_policy=halt met a non-finite step (the watchdog exits 4)
 EXIT_PLAN_DOES_NOT_FIT = 3  # python -m tunix_train.plan: the step does not fit the device
 EXIT_PEERS = 5  # the job's processes did not join, or one died or hung
-EXIT_STORAGE = 6  # a checkpoint could not be read, for a reason other than damage
+EXIT_STORAGE = 6  # a checkpoint could not be read (but for damage) or saved
 
 
 def typed(cfg: DictConfig, overrides: Sequence[str] = (), base: Path | None = None) -> Config:

@@ -19,9 +19,9 @@ _TOKENIZER_KINDS = ("sentencepiece:", "hf:")
 
 
 class StorageError(OSError):
-    """A checkpoint could not be read for a reason other than damage; nothing was moved
-    (checkpoint.py raises it; here, below the commands, so that they catch it without
-    importing Orbax and JAX before a bad override is refused)."""
+    """A checkpoint could not be read for a reason other than damage (nothing was moved), or
+    could not be saved (checkpoint.py raises it; here, below the commands, so that they catch
+    it without importing Orbax and JAX before a bad override is refused)."""
 
 
 def absolute(path: str, base: Path) -> str:

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from tunix_train import backend
 from tunix_train import validation
 from tunix_train.analysis import flops, profiling
-from tunix_train.checkpoint import Checkpoints
+from tunix_train.checkpoint import Checkpoints, check_room
 from tunix_train.config import Config
 from tunix_train.models import families
 from tunix_train.parallel import distributed
@@ -86,6 +86,7 @@ def run(cfg: Config, run_dir: Path, task: type[Task] = Task,
         first_step = work.steps_done(state)
         if first_step >= cfg.training.steps:
             return already_complete(first_step)
+        check_room(run_dir, state)  # before the step compiles: its first save would fail
         trackers = Trackers.open(cfg, run_dir) if jax.process_index() == 0 else None
         writer = MetricsWriter(run_dir, cfg.logging, cfg.training.steps, first_step, trackers)
         log_startup(setup, state, writer)
