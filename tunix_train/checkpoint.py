@@ -24,8 +24,8 @@ What can go wrong at restore, and what happens:
 - anything else (a bad argument, a bug): raised at once, never retried, never called storage.
 
 And at save: a folder that cannot hold one more checkpoint of this run is refused at start-up,
-before the train step compiles (`check_room`); a save that fails for the storage's sake all the same
-(the disk filled meanwhile) stops the run with one sentence (`StorageError`, exit code 6) that
+before the train step compiles (`check_room`); a save that fails for the storage's sake all
+the same (the disk filled meanwhile) stops the run with one sentence (`StorageError`, exit code 6) that
 names the step, the space and the newest committed step, which is intact (Orbax commits by
 rename, and deletes older steps only after a newer one committed) and where the same command
 goes on from. Its half-written step is removed when the run starts again.
