@@ -25,10 +25,10 @@ What can go wrong at restore, and what happens:
 
 And at save: a folder that cannot hold one more checkpoint of this run is refused at start-up,
 before the train step compiles (`check_room`); a save that fails for the storage's sake all
-the same (the disk filled meanwhile) stops the run with one sentence (`StorageError`, exit code 6) that
-names the step, the space and the newest committed step, which is intact (Orbax commits by
-rename, and deletes older steps only after a newer one committed) and where the same command
-goes on from. Its half-written step is removed when the run starts again.
+the same (the disk filled meanwhile) stops the run with one sentence (`StorageError`, exit
+code 6) that names the step, the space and the newest committed step, which is intact (Orbax
+commits by rename, and deletes older steps only after a newer one committed) and where the
+same command goes on from. Its half-written step is removed when the run starts again.
 """
 
 from __future__ import annotations
