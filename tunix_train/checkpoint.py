@@ -215,8 +215,9 @@ def check_room(run_dir: Path, state: dict) -> None:
     suffice): its first save would fail, after the compilation and the steps before it. The
     job's processes share the folder (Orbax's condition) and decide on process 0's reading."""
     needed, free = saved_bytes(state), _free_bytes(run_dir / "checkpoints")
-    if jax.process_count() > 1:
-        free = int(multihost_utils.broadcast_one_to_all(np.array(free, np.int64)))
+    if jax.process_count() > 1:  # in MiB: JAX carries 32-bit integers (without jax_enable_x64)
+        mib = multihost_utils.broadcast_one_to_all(np.array(free >> 20, np.int32))
+        free = int(mib) << 20
     if free < needed:
         raise StorageError(
             f"{run_dir / 'checkpoints'} has {_gb(free)} GB free, and one checkpoint of this run "
