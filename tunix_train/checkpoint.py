@@ -36,8 +36,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
-import re
 import shutil
 import time
 import traceback
@@ -51,7 +49,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from orbax.checkpoint._src.metadata import array_metadata_store
 
-from tunix_train import checkpoint_fit
+from tunix_train import checkpoint_fit, checkpoint_storage as storage
 from tunix_train.config import CheckpointConfig, ConfigError
 from tunix_train.paths import StorageError
 
@@ -62,9 +60,6 @@ NOT_SAVED = ("frozen",)  # train state entries that come from their source at ev
 # base: training/state.py)
 # Tensorstore's status codes for data that is not there or not whole: proof of damage.
 DAMAGE_CODES = ("NOT_FOUND", "OUT_OF_RANGE", "DATA_LOSS", "FAILED_PRECONDITION")
-# ... and for storage that may answer if asked again (absl status codes, as tensorstore spells them).
-STORAGE_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED", "INTERNAL",
-                 "UNKNOWN", "CANCELLED", "PERMISSION_DENIED")
 READ_ATTEMPTS = 3  # other read errors are retried this often, with growing pauses
 RETRY_PAUSE_S = 1.0
 
@@ -169,20 +164,12 @@ class Checkpoints:
         try:
             yield
         except Exception as error:  # noqa: BLE001 - sorted: storage or not
-            if not _is_storage(error):
+            if not storage.is_storage(error):
                 raise
             self._failed = True
-            size = "" if state is None else \
-                f", a checkpoint of this run takes up to {_gb(saved_bytes(state))} GB"
-            latest = self.manager.latest_step()
-            kept = (f"the newest saved step, {latest}, is intact: make room there (or lower "
-                    f"checkpoint.keep) and run the same command again to go on from it"
-                    if latest is not None else "no earlier step of this run was saved: make "
-                    "room there and run the same command again")
-            raise StorageError(
-                f"could not save checkpoint step {self._in_flight} in {self.directory} "
-                f"({_os_error(error)}; {_gb(_free_bytes(self.directory))} GB free there"
-                f"{size}); {kept}.") from error
+            needed = None if state is None else saved_bytes(state)
+            raise storage.save_failed(error, self._in_flight, self.directory, needed,
+                                      self.manager.latest_step()) from error
 
 
 @dataclass(frozen=True)
@@ -206,35 +193,13 @@ def saved_part(state: dict) -> dict:
 def saved_bytes(state: dict) -> int:
     """The bytes of the arrays a checkpoint of `state` (arrays or their shapes) holds,
     uncompressed: what one checkpoint takes on disk at most, but a few kilobytes of metadata."""
-    return sum(leaf.size * np.dtype(leaf.dtype).itemsize
-               for leaf in jax.tree.leaves(saved_part(state)))
+    return storage.array_bytes(saved_part(state))
 
 
 def check_room(run_dir: Path, state: dict) -> None:
     """Refuses a run whose checkpoint folder cannot hold one checkpoint of `state` (its shapes
-    suffice): its first save would fail, after the compilation and the steps before it. The
-    job's processes share the folder (Orbax's condition) and decide on process 0's reading."""
-    needed, free = saved_bytes(state), _free_bytes(run_dir / "checkpoints")
-    if jax.process_count() > 1:  # in MiB: JAX carries 32-bit integers (without jax_enable_x64)
-        mib = multihost_utils.broadcast_one_to_all(np.array(free >> 20, np.int32))
-        free = int(mib) << 20
-    if free < needed:
-        raise StorageError(
-            f"{run_dir / 'checkpoints'} has {_gb(free)} GB free, and one checkpoint of this run "
-            f"takes up to {_gb(needed)} GB (its parameters and optimizer state): make room "
-            f"there, or give hydra.run.dir a folder on a disk with room.")
-
-
-def _free_bytes(directory: Path) -> int:
-    """Free bytes on the disk that holds `directory` (or would: its nearest existing parent)."""
-    directory = directory.absolute()
-    while not directory.exists():
-        directory = directory.parent
-    return shutil.disk_usage(directory).free
-
-
-def _gb(count: int) -> str:
-    return f"{count / 1e9:.3g}"
+    suffice), before its first save fails after the compilation and the steps before it."""
+    storage.check_room(run_dir / "checkpoints", saved_bytes(state))
 
 
 def own_checkpoints(run_dir: Path) -> Path | None:
@@ -352,13 +317,13 @@ def _newest_readable(directory: Path, steps: list[int],
         if outcomes == {"ok"}:
             return result, damaged
         if "failed" in outcomes:
-            reason = _first_line(error) if outcome == "failed" else "on another process"
+            reason = storage.first_line(error) if outcome == "failed" else "on another process"
             raise StorageError(
                 f"could not read checkpoint step {step} in {directory} after {READ_ATTEMPTS} "
                 f"attempts ({reason}); nothing was moved: check the storage and start again.")
         damaged.append(step)
         fallback = f"falling back to step {steps[i + 1]}" if i + 1 < len(steps) else "none left"
-        reason = _first_line(error) if error else "another process could not read it"
+        reason = storage.first_line(error) if error else "another process could not read it"
         log.warning("checkpoint step %d in %s is damaged or incomplete (%s); %s", step,
                     directory, reason, fallback)
     raise ConfigError(f"no readable checkpoint in {directory} (steps {steps} are all damaged: "
@@ -373,11 +338,11 @@ def _read_with_retries(read: Callable[[int], Any], step: int) -> tuple[Any, Exce
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001 - sorted below into damage, storage and bugs
-            if not (_proves_damage(e) or _is_storage(e)):
+            if not (_proves_damage(e) or storage.is_storage(e)):
                 raise
             if _proves_damage(e) or attempt + 1 == READ_ATTEMPTS:
                 return None, e
-            log.warning("reading checkpoint step %d failed (%s); retrying", step, _first_line(e))
+            log.warning("reading checkpoint step %d failed (%s); retrying", step, storage.first_line(e))
             time.sleep(RETRY_PAUSE_S * 2 ** attempt)
     raise AssertionError("unreachable")
 
@@ -389,16 +354,6 @@ def _proves_damage(error: BaseException) -> bool:
         if isinstance(seen, (FileNotFoundError, json.JSONDecodeError, EOFError)):
             return True
         if str(seen).startswith(DAMAGE_CODES):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
-def _is_storage(error: BaseException) -> bool:
-    """Whether `error` (or one it came from) is the storage failing, which a retry may mend."""
-    seen: BaseException | None = error
-    while seen is not None:
-        if isinstance(seen, OSError) or str(seen).startswith(STORAGE_CODES):
             return True
         seen = seen.__cause__ or seen.__context__
     return False
@@ -424,22 +379,3 @@ def _set_aside(directory: Path, steps: list[int], destination: Path) -> None:
             log.warning("moved damaged checkpoint step %d to %s", step, target)
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("tunix_train:damaged checkpoints set aside")
-
-
-def _os_error(error: BaseException) -> str:
-    """The system's words for the error under `error` (tensorstore spells it in a long line
-    that names a file: `… No space left on device [os_error_code='28']`), else its first line."""
-    seen: BaseException | None = error
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno:
-            return f"{os.strerror(seen.errno)}, errno {seen.errno}"
-        code = re.search(r"os_error_code='(\d+)'", str(seen))
-        if code:
-            return f"{os.strerror(int(code.group(1)))}, errno {code.group(1)}"
-        seen = seen.__cause__ or seen.__context__
-    return _first_line(error)
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:240] if text else ''}"

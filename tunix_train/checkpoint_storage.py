@@ -1,0 +1,97 @@
+"""The storage under the checkpoints: whether its disk holds one more checkpoint, which errors are
+the storage failing (rather than damage or a bug), and the one sentence a failed save stops the
+run with (`StorageError`, exit code 6). checkpoint.py asks; nothing here touches Orbax.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from tunix_train.paths import StorageError
+
+# Storage that may answer if asked again (absl status codes, as tensorstore spells them).
+STORAGE_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED", "INTERNAL",
+                 "UNKNOWN", "CANCELLED", "PERMISSION_DENIED")
+
+
+def array_bytes(tree: Any) -> int:
+    """The bytes of a tree's arrays (or of their shapes), uncompressed."""
+    return sum(leaf.size * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
+
+
+def check_room(directory: Path, needed: int) -> None:
+    """Refuses a checkpoint folder whose disk has fewer than `needed` bytes free. The job's
+    processes share the folder (Orbax's condition) and decide on process 0's reading."""
+    free = free_bytes(directory)
+    if jax.process_count() > 1:  # in MiB: JAX carries 32-bit integers (without jax_enable_x64)
+        mib = multihost_utils.broadcast_one_to_all(np.array(free >> 20, np.int32))
+        free = int(mib) << 20
+    if free < needed:
+        raise StorageError(
+            f"{directory} has {_gb(free)} GB free, and one checkpoint of this run takes up to "
+            f"{_gb(needed)} GB (its parameters and optimizer state): make room there, or give "
+            f"hydra.run.dir a folder on a disk with room.")
+
+
+def save_failed(error: BaseException, step: int | None, directory: Path, needed: int | None,
+                latest: int | None) -> StorageError:
+    """The sentence for a save of `step` that failed for the storage's sake (a full disk, a lost
+    mount): the system's words, the room there is and takes, and the newest committed step
+    (`latest`), which is intact and where the same command goes on from."""
+    size = "" if needed is None else f", a checkpoint of this run takes up to {_gb(needed)} GB"
+    kept = (f"the newest saved step, {latest}, is intact: make room there (or lower "
+            f"checkpoint.keep) and run the same command again to go on from it"
+            if latest is not None else "no earlier step of this run was saved: make room "
+            "there and run the same command again")
+    return StorageError(
+        f"could not save checkpoint step {step} in {directory} ({_os_error(error)}; "
+        f"{_gb(free_bytes(directory))} GB free there{size}); {kept}.")
+
+
+def is_storage(error: BaseException) -> bool:
+    """Whether `error` (or one it came from) is the storage failing, which a retry may mend."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) or str(seen).startswith(STORAGE_CODES):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def free_bytes(directory: Path) -> int:
+    """Free bytes on the disk that holds `directory` (or would: its nearest existing parent)."""
+    directory = directory.absolute()
+    while not directory.exists():
+        directory = directory.parent
+    return shutil.disk_usage(directory).free
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:240] if text else ''}"
+
+
+def _os_error(error: BaseException) -> str:
+    """The system's words for the error under `error` (tensorstore spells it in a long line
+    that names a file: `… No space left on device [os_error_code='28']`), else its first line."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return f"{os.strerror(seen.errno)}, errno {seen.errno}"
+        code = re.search(r"os_error_code='(\d+)'", str(seen))
+        if code:
+            return f"{os.strerror(int(code.group(1)))}, errno {code.group(1)}"
+        seen = seen.__cause__ or seen.__context__
+    return first_line(error)
+
+
+def _gb(count: int) -> str:
+    return f"{count / 1e9:.3g}"
