@@ -342,7 +342,8 @@ def _read_with_retries(read: Callable[[int], Any], step: int) -> tuple[Any, Exce
                 raise
             if _proves_damage(e) or attempt + 1 == READ_ATTEMPTS:
                 return None, e
-            log.warning("reading checkpoint step %d failed (%s); retrying", step, storage.first_line(e))
+            log.warning("reading checkpoint step %d failed (%s); retrying", step,
+                        storage.first_line(e))
             time.sleep(RETRY_PAUSE_S * 2 ** attempt)
     raise AssertionError("unreachable")
 
