@@ -13,6 +13,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+import pytest
 from flax import nnx
 
 from helpers import ONE_STACK, compose_config
@@ -64,6 +65,22 @@ def test_orbax_asks_the_manager_before_saving_at_a_preemption_step():
     assert "reached_preemption" in inspect.getsource(ocp.CheckpointManager)
     assert checkpoint._Manager.reached_preemption is not ocp.CheckpointManager.reached_preemption
     assert not checkpoint._Manager.reached_preemption(None, 3)
+
+
+def test_a_failed_write_is_kept_where_orbaxs_finalize_thread_meets_it(monkeypatch):
+    """checkpoint._Manager overrides CheckpointManager._wait_for_checkpointers, where Orbax's
+    finalize thread meets a failure of this process's writes before it waits at a barrier."""
+    assert "self._wait_for_checkpointers()" in inspect.getsource(ocp.CheckpointManager._finalize)
+    error = OSError(28, "No space left on device")
+
+    def fails(self):
+        raise error
+
+    monkeypatch.setattr(ocp.CheckpointManager, "_wait_for_checkpointers", fails)
+    manager = object.__new__(checkpoint._Manager)
+    with pytest.raises(OSError):
+        manager._wait_for_checkpointers()
+    assert manager.write_error is error
 
 
 def test_jax_arrays_are_saved_by_their_first_replica_with_orbaxs_metadata_store():

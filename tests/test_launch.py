@@ -154,14 +154,16 @@ def test_a_crashed_rank_stops_the_job_promptly_and_is_named(tmp_path):
 
 
 def by_hand(rank: int, port: int, args: list[str], cwd: Path, devices: int = 1,
-            world: int = 2) -> subprocess.Popen:
-    """`python run_training.py` started as a user starts one process of a job by hand."""
+            world: int = 2, wrapper: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`python run_training.py` started as a user starts one process of a job by hand (run by
+    `wrapper`, a command that ends by running its arguments, where given)."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "RANK", "WORLD_SIZE")}
     env.update(devices_env(devices), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                RANK=str(rank), WORLD_SIZE=str(world), PYTHONUNBUFFERED="1")
     with_fast_compile(env)
-    return subprocess.Popen([sys.executable, str(REPO / "run_training.py"), *args], cwd=cwd,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen([*wrapper, sys.executable, str(REPO / "run_training.py"), *args],
+                            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
 
 
 def read_until(proc: subprocess.Popen, text: str, lines: list[str]) -> float:
@@ -187,6 +189,41 @@ def test_processes_started_by_hand_seconds_apart_share_one_run_dir(tmp_path, ref
     assert (f"continue: XLA_FLAGS=--xla_force_host_platform_device_count=2 "
             f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port} RANK=0 WORLD_SIZE=2 python "
             f"run_training.py") in outputs[0]
+
+
+def test_a_save_failing_in_one_process_ends_the_job_in_seconds_each_saying_why(tmp_path):
+    """Process 1's checkpoint folder is a full disk (a 64 KiB tmpfs over it, in a mount
+    namespace of its own), process 0's is not: the save of step 2 fails in process 1 alone.
+    It says so at the step after (exit 6); process 0, waiting for it at a barrier of the save,
+    says what it waits for, and ends once process 1 is gone (exit 5). Both used to wait out
+    Orbax's barrier timeout, 20 minutes, in silence. No step is committed."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    full_disk = ("unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                 f'mount -t tmpfs -o size=65536 tmpfs {run_dir / "checkpoints"} && exec "$@"',
+                 "sh")
+    port = free_port()
+    args = [*ONE_STACK, *STEPS, mesh_arg(2, 1), "checkpoint.every_steps=2",
+            "distributed.heartbeat_timeout_s=15", f"hydra.run.dir={run_dir}"]
+    procs = [by_hand(0, port, args, tmp_path),
+             by_hand(1, port, args, tmp_path, wrapper=full_disk)]
+    try:
+        first, second = (p.communicate(timeout=300)[0] for p in procs)
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert procs[1].returncode == 6, second[-3000:]
+    assert (f"error: could not save checkpoint step 2 in {run_dir / 'checkpoints'} (No space "
+            f"left on device") in second
+    assert "waiting for the checkpoint of step 2 to be written by all 2 processes" in first
+    # Process 0 learns of process 1's end twice at once, from the same heartbeat: its barrier
+    # fails (our sentence), and JAX aborts the process, saying so; whichever comes first ends it.
+    ours = (f"error: could not save checkpoint step 2 in {run_dir / 'checkpoints'}: another "
+            f"process of the job did not finish its part")
+    assert ((procs[0].returncode == 5 and ours in first)
+            or (procs[0].returncode == -signal.SIGABRT and "another task died" in first)), \
+        first[-3000:]
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()]
 
 
 def test_a_lone_process_says_what_it_waits_for_then_gives_up(tmp_path):

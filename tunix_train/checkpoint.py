@@ -62,6 +62,9 @@ NOT_SAVED = ("frozen",)  # train state entries that come from their source at ev
 DAMAGE_CODES = ("NOT_FOUND", "OUT_OF_RANGE", "DATA_LOSS", "FAILED_PRECONDITION")
 READ_ATTEMPTS = 3  # other read errors are retried this often, with growing pauses
 RETRY_PAUSE_S = 1.0
+SAY_WAIT_AFTER_S = 10.0  # a save still being written then is said, and again every minute
+SAY_WAIT_EVERY_S = 60.0
+WAIT_POLL_S = 0.1
 
 
 # Each array is written by the devices of its first replica, on every backend, as Orbax does on
@@ -102,10 +105,24 @@ for _logger in ("absl", "asyncio"):
 
 
 class _Manager(ocp.CheckpointManager):
+    write_error: BaseException | None = None  # this process's part of the last save failed
+
     def reached_preemption(self, step: int) -> bool:
         # The loop owns JAX's preemption sync point (preemption.py) and calls it once per step;
         # Orbax calling it too, from its finalize thread, could skew the agreed step.
         return False
+
+    def _wait_for_checkpointers(self) -> None:
+        # Where Orbax's finalize thread meets a failure of this process's writes; it then waits
+        # at a barrier (`finally`) that the other processes never reach, so the error would
+        # reach the main thread after Orbax's timeout, 20 minutes. Kept here, the main thread
+        # sees it at once (`Checkpoints.raise_if_failed`). A private method of Orbax's:
+        # tests/test_internals.py.
+        try:
+            super()._wait_for_checkpointers()
+        except BaseException as error:
+            self.write_error = error
+            raise
 
 
 class Checkpoints:
@@ -133,11 +150,19 @@ class Checkpoints:
         args = ocp.args.Composite(state=ocp.args.StandardSave(saved_part(state)),
                                   data=ocp.args.JsonSave(data_state),
                                   config=ocp.args.JsonSave(config))
-        self._in_flight = step
+        self._in_flight, self.manager.write_error = step, None
         with self._storage_errors(state):
             # Returns once the arrays are copied off the devices: the next step may donate them.
             self.manager.save(step, args=args, force=True)
         return True
+
+    def raise_if_failed(self) -> None:
+        """Raises the failure of a save still in flight whose writes on this process failed: at
+        the step after it, not at the next save, so no step is trained that cannot be saved,
+        and a multi-process job's peers, waiting for this process, learn it when it is gone."""
+        if self._in_flight is not None and self.manager.write_error is not None:
+            with self._storage_errors():
+                raise self.manager.write_error
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -145,17 +170,34 @@ class Checkpoints:
     def close(self) -> None:
         """Waits until every started save has committed (after a failed one: only lets go)."""
         if self._failed:
-            with contextlib.suppress(Exception):  # the failure has had its sentence
-                self.manager.close()
+            if jax.process_count() == 1:  # with peers, Orbax's threads wait for them: left
+                with contextlib.suppress(Exception):  # the failure has had its sentence
+                    self.manager.close()
             return
         self._wait()
         self.manager.close()
 
     def _wait(self) -> None:
-        if self._in_flight is not None:
-            with self._storage_errors():
-                self.manager.wait_until_finished()
-            self._in_flight = None
+        """Waits until the save in flight has committed on every process.
+
+        Polled, not joined: a process whose own writes failed says so at once (Orbax's
+        thread would hold it back until a barrier that the other processes never reach timed
+        out, 20 minutes later). A save still running after `SAY_WAIT_AFTER_S` is said, and
+        again every `SAY_WAIT_EVERY_S`."""
+        if self._in_flight is None:
+            return
+        start = time.monotonic()
+        said = start + SAY_WAIT_AFTER_S
+        while self.manager.is_saving_in_progress():
+            self.raise_if_failed()
+            if time.monotonic() >= said:
+                log.info("waiting for the checkpoint of step %d to be written%s",
+                         self._in_flight, _by_all(time.monotonic() - start))
+                said += SAY_WAIT_EVERY_S
+            time.sleep(WAIT_POLL_S)
+        with self._storage_errors():
+            self.manager.wait_until_finished()
+        self._in_flight = None
 
     @contextlib.contextmanager
     def _storage_errors(self, state: Any = None) -> Iterator[None]:
@@ -164,12 +206,17 @@ class Checkpoints:
         try:
             yield
         except Exception as error:  # noqa: BLE001 - sorted: storage or not
-            if not storage.is_storage(error):
+            if not (storage.is_storage(error) or storage.waited_for_peers(error)):
                 raise
             self._failed = True
             needed = None if state is None else saved_bytes(state)
-            raise storage.save_failed(error, self._in_flight, self.directory, needed,
-                                      self.manager.latest_step()) from error
+            raise storage.save_failed(error, self._in_flight, self.directory, needed) from error
+
+
+def _by_all(waited_s: float) -> str:
+    count = jax.process_count()
+    return (f" by all {count} processes ({waited_s:.0f} s); one whose part failed says so in "
+            f"its own lines" if count > 1 else f" ({waited_s:.0f} s)")
 
 
 @dataclass(frozen=True)

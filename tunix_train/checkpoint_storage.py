@@ -1,6 +1,7 @@
 """The storage under the checkpoints: whether its disk holds one more checkpoint, which errors are
 the storage failing (rather than damage or a bug), and the one sentence a failed save stops the
-run with (`StorageError`, exit code 6). checkpoint.py asks; nothing here touches Orbax.
+run with (`StorageError`, exit code 6; `PeerSaveError`, exit code 5, in a process that waited for
+another whose part failed). checkpoint.py asks; nothing here touches Orbax.
 """
 
 from __future__ import annotations
@@ -9,13 +10,13 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from tunix_train.paths import StorageError
+from tunix_train.paths import PeerSaveError, StorageError
 
 # Storage that may answer if asked again (absl status codes, as tensorstore spells them).
 STORAGE_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED", "INTERNAL",
@@ -41,11 +42,21 @@ def check_room(directory: Path, needed: int) -> None:
             f"hydra.run.dir a folder on a disk with room.")
 
 
-def save_failed(error: BaseException, step: int | None, directory: Path, needed: int | None,
-                latest: int | None) -> StorageError:
-    """The sentence for a save of `step` that failed for the storage's sake (a full disk, a lost
-    mount): the system's words, the room there is and takes, and the newest committed step
-    (`latest`), which is intact and where the same command goes on from."""
+def save_failed(error: BaseException, step: int | None, directory: Path,
+                needed: int | None) -> StorageError | PeerSaveError:
+    """The sentence for a save of `step` that failed: for the storage's sake (a full disk, a lost
+    mount), the system's words and the room there is and takes; at a barrier of the job's
+    processes, the other process's failure. Either names the newest committed step, which is
+    intact and where the same command goes on from."""
+    latest = newest_committed(directory)
+    if waited_for_peers(error):
+        kept = (f"the newest saved step, {latest}, is intact: run the same command again to "
+                f"go on from it" if latest is not None else "no earlier step of this run was "
+                "saved")
+        return PeerSaveError(
+            f"could not save checkpoint step {step} in {directory}: another process of the job "
+            f"did not finish its part ({first_line(error)}); the process that failed says why "
+            f"in its own lines; {kept}.")
     size = "" if needed is None else f", a checkpoint of this run takes up to {_gb(needed)} GB"
     kept = (f"the newest saved step, {latest}, is intact: make room there (or lower "
             f"checkpoint.keep) and run the same command again to go on from it"
@@ -56,14 +67,35 @@ def save_failed(error: BaseException, step: int | None, directory: Path, needed:
         f"{_gb(free_bytes(directory))} GB free there{size}); {kept}.")
 
 
+def waited_for_peers(error: BaseException) -> bool:
+    """Whether a save failed at a barrier of the job's processes (Orbax's: one process's part
+    failed, or the process is gone), rather than at this process's storage."""
+    return jax.process_count() > 1 and any("barrier" in str(seen).lower()
+                                           for seen in _chain(error))
+
+
+def newest_committed(directory: Path) -> int | None:
+    """The newest step under its final name, read from the disk (Orbax renames a step's
+    temporary folder once every process wrote its part). Orbax's manager lists a step from the
+    start of its save on, failed or not."""
+    try:
+        return max((int(p.name) for p in directory.iterdir() if p.name.isdigit()), default=None)
+    except OSError:  # the storage that failed the save
+        return None
+
+
 def is_storage(error: BaseException) -> bool:
     """Whether `error` (or one it came from) is the storage failing, which a retry may mend."""
+    return any(isinstance(seen, OSError) or str(seen).startswith(STORAGE_CODES)
+               for seen in _chain(error))
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """`error` and the errors it came from."""
     seen: BaseException | None = error
     while seen is not None:
-        if isinstance(seen, OSError) or str(seen).startswith(STORAGE_CODES):
-            return True
+        yield seen
         seen = seen.__cause__ or seen.__context__
-    return False
 
 
 def free_bytes(directory: Path) -> int:
@@ -82,14 +114,12 @@ def first_line(error: BaseException) -> str:
 def _os_error(error: BaseException) -> str:
     """The system's words for the error under `error` (tensorstore spells it in a long line
     that names a file: `… No space left on device [os_error_code='28']`), else its first line."""
-    seen: BaseException | None = error
-    while seen is not None:
+    for seen in _chain(error):
         if isinstance(seen, OSError) and seen.errno:
             return f"{os.strerror(seen.errno)}, errno {seen.errno}"
         code = re.search(r"os_error_code='(\d+)'", str(seen))
         if code:
             return f"{os.strerror(int(code.group(1)))}, errno {code.group(1)}"
-        seen = seen.__cause__ or seen.__context__
     return first_line(error)
 
 

@@ -22,7 +22,7 @@ from tunix_train import paths, trainers
 from tunix_train import validation
 from tunix_train.config import Config, ConfigError
 from tunix_train.data import sources
-from tunix_train.paths import StorageError
+from tunix_train.paths import PeerSaveError, StorageError
 from tunix_train.parallel import torchrun
 from tunix_train.parallel.rendezvous import PeersError
 
@@ -149,13 +149,19 @@ def user_errors() -> Iterator[None]:
     """A ConfigError is the user's to fix, a halt on NaN the run's: one sentence, no traceback."""
     exits = ((ConfigError, EXIT_CONFIG_ERROR),
              (FloatingPointError, EXIT_NON_FINITE),  # the loop's NonFiniteLoss: the run failed
-             (StorageError, EXIT_STORAGE), (PeersError, EXIT_PEERS))
+             (StorageError, EXIT_STORAGE), (PeersError, EXIT_PEERS), (PeerSaveError, EXIT_PEERS))
     try:
         yield
     except tuple(kind for kind, _ in exits) as error:
         log.error("error: %s", error)
-        torchrun.record_error(str(error))
-        sys.exit(next(code for kind, code in exits if isinstance(error, kind)))
+        torchrun.record_error(str(error), consequence=isinstance(error, PeerSaveError))
+        code = next(code for kind, code in exits if isinstance(error, kind))
+        if isinstance(error, (StorageError, PeerSaveError)) and _joined_a_job():
+            # A failed save may be this process's alone, and its peers wait for it (at a
+            # barrier of the save): JAX's shutdown, and Orbax's threads, would wait for them.
+            # Gone, it ends the job: they learn it from JAX (a missed heartbeat) or the launcher.
+            _exit_now(code)
+        sys.exit(code)
     except Exception as error:
         lost = lost_peer(error)
         if lost is None:
@@ -165,11 +171,19 @@ def user_errors() -> Iterator[None]:
                     f"lines, or torchrun's or srun's summary.")
         log.error("error: %s", sentence)
         torchrun.record_error(sentence, consequence=True)
-        for handler in logging.getLogger().handlers:
-            handler.flush()
         # Not sys.exit: JAX's shutdown would wait for the lost process (30 s under torchrun,
         # until its SIGKILL).
-        os._exit(EXIT_PEERS)
+        _exit_now(EXIT_PEERS)
+
+
+def _exit_now(code: int) -> None:
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(code)
+
+
+def _joined_a_job() -> bool:
+    return "jax" in sys.modules and sys.modules["jax"].distributed.is_initialized()
 
 
 _LOST_PEER = ("closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")

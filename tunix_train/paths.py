@@ -24,6 +24,11 @@ class StorageError(OSError):
     it without importing Orbax and JAX before a bad override is refused)."""
 
 
+class PeerSaveError(RuntimeError):
+    """A save of a multi-process job failed where this process waited for the others (one
+    failed or is gone): exit code 5, and the process that failed first says why."""
+
+
 def absolute(path: str, base: Path) -> str:
     """`path` (`~` expanded, globs kept) made absolute against `base`; absolute paths stay."""
     expanded = os.path.expanduser(path)

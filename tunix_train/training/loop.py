@@ -112,6 +112,7 @@ class Loop:
 
     def _after_step(self, state, step: int, stop: bool, watchdog: Watchdog) -> None:
         save = stop or self.checkpoints.due(step) or step == self.training.steps
+        self.checkpoints.raise_if_failed()  # a save in the background whose writes failed
         self._check(up_to=step - 1)  # finished: fetching its few scalars costs no wait
         if save:
             self._check(up_to=step)  # waits for this step: still timed by the watchdog
