@@ -21,6 +21,8 @@ from tunix_train.paths import PeerSaveError, StorageError
 # Storage that may answer if asked again (absl status codes, as tensorstore spells them).
 STORAGE_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED", "INTERNAL",
                  "UNKNOWN", "CANCELLED", "PERMISSION_DENIED")
+# A collective's words when a process of the job is gone (Gloo's, on CPU).
+PEER_GONE = ("closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
 
 
 def array_bytes(tree: Any) -> int:
@@ -68,10 +70,12 @@ def save_failed(error: BaseException, step: int | None, directory: Path,
 
 
 def waited_for_peers(error: BaseException) -> bool:
-    """Whether a save failed at a barrier of the job's processes (Orbax's: one process's part
-    failed, or the process is gone), rather than at this process's storage."""
-    return jax.process_count() > 1 and any("barrier" in str(seen).lower()
-                                           for seen in _chain(error))
+    """Whether a save failed waiting for the job's other processes, at a barrier (Orbax's: one
+    process's part failed, or the process is gone) or in a collective (a synchronous save's,
+    with a process gone), rather than at this process's storage."""
+    return jax.process_count() > 1 and any(
+        "barrier" in str(seen).lower() or any(words in str(seen) for words in PEER_GONE)
+        for seen in _chain(error))
 
 
 def newest_committed(directory: Path) -> int | None:

@@ -186,9 +186,6 @@ def _joined_a_job() -> bool:
     return "jax" in sys.modules and sys.modules["jax"].distributed.is_initialized()
 
 
-_LOST_PEER = ("closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
-
-
 def lost_peer(error: BaseException) -> str | None:
     """The first line of XLA's error when a collective of a multi-process job failed because a
     peer process is gone (Gloo on CPU: "Connection closed by peer"), else None."""
@@ -196,8 +193,10 @@ def lost_peer(error: BaseException) -> str | None:
         return None
     import jax
 
+    from tunix_train.checkpoint_storage import PEER_GONE
+
     first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    if jax.process_count() > 1 and any(words in first for words in _LOST_PEER):
+    if jax.process_count() > 1 and any(words in first for words in PEER_GONE):
         return first
     return None
 
