@@ -56,9 +56,9 @@ def save_failed(error: BaseException, step: int | None, directory: Path,
                 f"go on from it" if latest is not None else "no earlier step of this run was "
                 "saved")
         return PeerSaveError(
-            f"could not save checkpoint step {step} in {directory}: another process of the job "
-            f"did not finish its part ({first_line(error)}); the process that failed says why "
-            f"in its own lines; {kept}.")
+            f"could not save checkpoint step {step} in {directory}: another process of the job"
+            f"{_named_peers(error)} did not finish its part ({first_line(error)}); the process "
+            f"that failed says why in its own lines; {kept}.")
     size = "" if needed is None else f", a checkpoint of this run takes up to {_gb(needed)} GB"
     kept = (f"the newest saved step, {latest}, is intact: make room there (or lower "
             f"checkpoint.keep) and run the same command again to go on from it"
@@ -76,6 +76,17 @@ def waited_for_peers(error: BaseException) -> bool:
     return jax.process_count() > 1 and any(
         "barrier" in str(seen).lower() or any(words in str(seen) for words in PEER_GONE)
         for seen in _chain(error))
+
+
+def _named_peers(error: BaseException) -> str:
+    """The other processes JAX's coordination service names in `error` (`Task 1 heartbeat
+    timeout`, `…/task:1`), as ` (process 1)`; "" where it names none (Gloo's words)."""
+    named = {int(number) for seen in _chain(error)
+             for number in re.findall(r"\btask:? ?(\d+)", str(seen), re.IGNORECASE)}
+    others = sorted(named - {jax.process_index()})
+    if not others:
+        return ""
+    return f" (process{'es' if len(others) > 1 else ''} {', '.join(map(str, others))})"
 
 
 def newest_committed(directory: Path) -> int | None:
