@@ -24,7 +24,8 @@ LAYERS = [  # top to bottom; a module may import its own layer's modules and tho
     {"tunix_train.analysis", "tunix_train.starting_weights"},
     {"tunix_train.parallel"},
     {"tunix_train.models", "tunix_train.data", "tunix_train.checkpoint",
-     "tunix_train.checkpoint_fit", "tunix_train.checkpoint_storage"},
+     "tunix_train.checkpoint_fit", "tunix_train.checkpoint_storage",
+     "tunix_train.checkpoint_damage"},
     {"tunix_train.config", "tunix_train.validation", "tunix_train.trainers", "tunix_train.paths",
      "tunix_train.backend", "tunix_train.gc_policy"},
 ]

@@ -18,13 +18,14 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import compose_config
-from tunix_train import checkpoint
+from tunix_train import checkpoint, checkpoint_damage
 from tunix_train.parallel import mesh as mesh_lib
 from tunix_train.training import optim
 from tunix_train import config as config_lib
 from tunix_train import validation
 from tunix_train.checkpoint import Checkpoints
 from tunix_train.config import CheckpointConfig, ConfigError
+from tunix_train.paths import StorageError
 from tunix_train.training.preemption import PreemptionSignal
 
 # A failed Orbax read leaves its other coroutines un-awaited; Python reports them whenever they
@@ -173,7 +174,7 @@ def flaky_reads(monkeypatch, failures: int) -> list:
         return real(self, step, args=args)
 
     monkeypatch.setattr(checkpoint._Manager, "restore", restore)
-    monkeypatch.setattr(checkpoint, "RETRY_PAUSE_S", 0.0)
+    monkeypatch.setattr(checkpoint_damage, "RETRY_PAUSE_S", 0.0)
     return calls
 
 
@@ -192,10 +193,10 @@ def test_a_transient_read_error_is_retried_and_moves_nothing(tmp_path, monkeypat
 def test_a_lasting_read_error_fails_loudly_and_moves_nothing(tmp_path, monkeypatch):
     save_steps(tmp_path, [2, 4], make_mesh(8, 1))
     calls = flaky_reads(monkeypatch, failures=100)
-    with pytest.raises(checkpoint.StorageError, match=r"could not read checkpoint step 4 .* "
+    with pytest.raises(StorageError, match=r"could not read checkpoint step 4 .* "
                                                       r"nothing was moved"):
         checkpoint.restore(tmp_path, abstract(make_mesh(8, 1)), CONFIG, set_aside_in=tmp_path)
-    assert calls == [4] * checkpoint.READ_ATTEMPTS  # never fell back to step 2
+    assert calls == [4] * checkpoint_damage.READ_ATTEMPTS  # never fell back to step 2
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
     assert not (tmp_path / "damaged_checkpoints").exists()
 

@@ -18,7 +18,7 @@ What can go wrong at restore, and what happens:
   read (checkpoint_fit.py); one sentence names the keys and both values; nothing is moved;
 - a step proven unreadable (a file missing or truncated: tensorstore's NOT_FOUND, OUT_OF_RANGE,
   DATA_LOSS, a truncated compressed stream): reported in one line, set aside, and the previous
-  step is used instead;
+  step is used instead (checkpoint_damage.py);
 - a storage error (an `OSError`, or tensorstore's UNAVAILABLE, DEADLINE_EXCEEDED, …): retried,
   then a loud failure (`StorageError`, exit code 6) that moves nothing;
 - anything else (a bad argument, a bug): raised at once, never retried, never called storage.
@@ -28,15 +28,16 @@ before the train step compiles (`check_room`); a save that fails for the storage
 the same (the disk filled meanwhile) stops the run with one sentence (`StorageError`, exit
 code 6) that names the step, the space and the newest committed step, which is intact (Orbax
 commits by rename, and deletes older steps only after a newer one committed) and where the
-same command goes on from. Its half-written step is removed when the run starts again.
+same command goes on from. Its half-written step is removed when the run starts again. The
+failure of a save written in the background is raised at the step after it; in a job of several
+processes, by the process whose part failed, while the others, waiting for it at a barrier of
+the save, say so, and end once it is gone (`PeerSaveError`, exit code 5).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import shutil
 import time
 import traceback
 from dataclasses import dataclass
@@ -44,24 +45,18 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 from orbax.checkpoint._src.metadata import array_metadata_store
 
-from tunix_train import checkpoint_fit, checkpoint_storage as storage
+from tunix_train import checkpoint_damage as damage, checkpoint_fit
+from tunix_train import checkpoint_storage as storage
 from tunix_train.config import CheckpointConfig, ConfigError
-from tunix_train.paths import StorageError
 
 log = logging.getLogger("tunix_train")
 
 ITEMS = ("state", "data", "config")
 NOT_SAVED = ("frozen",)  # train state entries that come from their source at every start (LoRA's
 # base: training/state.py)
-# Tensorstore's status codes for data that is not there or not whole: proof of damage.
-DAMAGE_CODES = ("NOT_FOUND", "OUT_OF_RANGE", "DATA_LOSS", "FAILED_PRECONDITION")
-READ_ATTEMPTS = 3  # other read errors are retried this often, with growing pauses
-RETRY_PAUSE_S = 1.0
 SAY_WAIT_AFTER_S = 10.0  # a save still being written then is said, and again every minute
 SAY_WAIT_EVERY_S = 60.0
 WAIT_POLL_S = 0.1
@@ -275,9 +270,9 @@ def restore(path: str | Path, abstract_state: Any, config: dict,
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
         return Restored(step, items.state, dict(items.data), directory / str(step))
 
-    restored, damaged = _newest_readable(directory, steps, read)
+    restored, damaged = damage.newest_readable(directory, steps, read)
     if set_aside_in is not None and damaged:
-        _set_aside(directory, damaged, set_aside_in / "damaged_checkpoints")
+        damage.set_aside(directory, damaged, set_aside_in / "damaged_checkpoints")
     return restored
 
 
@@ -301,7 +296,7 @@ def load_params(path: str | Path, abstract_params: Any, shardings: Any,
         return checkpointer.restore(directory / str(step) / "state", args=ocp.args.PyTreeRestore(
             target, restore_args=restore_args, partial_restore=True))["params"]
 
-    params, _ = _newest_readable(directory, steps, read)
+    params, _ = damage.newest_readable(directory, steps, read)
     return params
 
 
@@ -350,80 +345,3 @@ def _reader(directory: Path) -> _Manager:
 def _steps(directory: Path) -> list[int]:
     """Committed steps: Orbax lists neither temporary directories nor anything else."""
     return list(_reader(directory).all_steps()) if directory.is_dir() else []
-
-
-def _newest_readable(directory: Path, steps: list[int],
-                     read: Callable[[int], Any]) -> tuple[Any, list[int]]:
-    """Tries `read` from the newest step down; every process must succeed on the same step.
-    Only a step proven damaged is passed over; any other error stops everything."""
-    damaged: list[int] = []
-    for i, step in enumerate(steps):
-        result, error = _read_with_retries(read, step)
-        outcome = "ok" if error is None else "damaged" if _proves_damage(error) else "failed"
-        outcomes = _gather(outcome)
-        if outcomes == {"ok"}:
-            return result, damaged
-        if "failed" in outcomes:
-            reason = storage.first_line(error) if outcome == "failed" else "on another process"
-            raise StorageError(
-                f"could not read checkpoint step {step} in {directory} after {READ_ATTEMPTS} "
-                f"attempts ({reason}); nothing was moved: check the storage and start again.")
-        damaged.append(step)
-        fallback = f"falling back to step {steps[i + 1]}" if i + 1 < len(steps) else "none left"
-        reason = storage.first_line(error) if error else "another process could not read it"
-        log.warning("checkpoint step %d in %s is damaged or incomplete (%s); %s", step,
-                    directory, reason, fallback)
-    raise ConfigError(f"no readable checkpoint in {directory} (steps {steps} are all damaged: "
-                      f"files missing or truncated); move the directory aside to start afresh "
-                      f"or point checkpoint.resume_from at a good one.")
-
-
-def _read_with_retries(read: Callable[[int], Any], step: int) -> tuple[Any, Exception | None]:
-    for attempt in range(READ_ATTEMPTS):
-        try:
-            return read(step), None
-        except ConfigError:
-            raise
-        except Exception as e:  # noqa: BLE001 - sorted below into damage, storage and bugs
-            if not (_proves_damage(e) or storage.is_storage(e)):
-                raise
-            if _proves_damage(e) or attempt + 1 == READ_ATTEMPTS:
-                return None, e
-            log.warning("reading checkpoint step %d failed (%s); retrying", step,
-                        storage.first_line(e))
-            time.sleep(RETRY_PAUSE_S * 2 ** attempt)
-    raise AssertionError("unreachable")
-
-
-def _proves_damage(error: BaseException) -> bool:
-    """Whether `error` (or one it came from) says data is missing or not whole."""
-    seen: BaseException | None = error
-    while seen is not None:
-        if isinstance(seen, (FileNotFoundError, json.JSONDecodeError, EOFError)):
-            return True
-        if str(seen).startswith(DAMAGE_CODES):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
-def _gather(outcome: str) -> set[str]:
-    """Every process's outcome (they must agree on which step to restore)."""
-    if jax.process_count() == 1:
-        return {outcome}
-    codes = ("ok", "damaged", "failed")
-    gathered = multihost_utils.process_allgather(np.array(codes.index(outcome)))
-    return {codes[int(c)] for c in np.ravel(gathered)}
-
-
-def _set_aside(directory: Path, steps: list[int], destination: Path) -> None:
-    if jax.process_index() == 0:
-        destination.mkdir(parents=True, exist_ok=True)
-        for step in steps:
-            target, copy = destination / str(step), 1
-            while target.exists():  # an earlier damaged copy of the same step number
-                target, copy = destination / f"{step}.{copy}", copy + 1
-            shutil.move(str(directory / str(step)), str(target))
-            log.warning("moved damaged checkpoint step %d to %s", step, target)
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("tunix_train:damaged checkpoints set aside")
