@@ -8,6 +8,7 @@ import errno
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 import jax
@@ -78,6 +79,24 @@ def test_saved_on_4x2_restores_on_8x1_in_the_new_shardings(tmp_path):
     assert restored.step == 2 and restored.data_state == {"next_step": 2}
     assert_state_is(restored.state, 2)
     assert restored.state["params"]["w"].sharding == shardings(target)["params"]["w"]
+
+
+def test_a_save_still_being_written_is_said_then_committed(tmp_path, monkeypatch, caplog):
+    """Checkpoints._wait says what it waits for while a save is written (slowed here to 0.5 s
+    where Orbax's finalize thread waits for the writes, said after 0.1 s), then returns once the
+    step committed."""
+    real = checkpoint._Manager._wait_for_checkpointers
+
+    def slow(self):
+        time.sleep(0.5)
+        real(self)
+
+    monkeypatch.setattr(checkpoint._Manager, "_wait_for_checkpointers", slow)
+    monkeypatch.setattr(checkpoint, "SAY_WAIT_AFTER_S", 0.1)
+    with caplog.at_level(logging.INFO, logger="tunix_train"):
+        save_steps(tmp_path, [2], make_mesh(8, 1))
+    assert "waiting for the checkpoint of step 2 to be written (0 s)" in caplog.text
+    assert_state_is(checkpoint.restore(tmp_path, abstract(make_mesh(8, 1)), CONFIG).state, 2)
 
 
 def test_keep_deletes_the_oldest_only(tmp_path):

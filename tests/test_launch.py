@@ -198,8 +198,9 @@ def test_a_save_failing_in_one_process_ends_the_job_in_seconds_each_saying_why(t
     namespace of its own), process 0's is not: the save of step 2 fails in process 1 alone.
     It says so (exit 6); process 0 ends once process 1 is gone (exit 5), naming another
     process: at once where the save is synchronous (its collectives fail), after JAX's
-    heartbeat where it is written in the background (waiting at a barrier, and saying so).
-    Both used to wait out Orbax's barrier timeout, 20 minutes, in silence. Nothing is
+    heartbeat where it is written in the background (waiting at a barrier; whether that wait
+    is long enough to be said depends on when process 0 got there: test_checkpoint.py says
+    it). Both used to wait out Orbax's barrier timeout, 20 minutes, in silence. Nothing is
     committed."""
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
@@ -224,7 +225,6 @@ def test_a_save_failing_in_one_process_ends_the_job_in_seconds_each_saying_why(t
     ours = (f"error: could not save checkpoint step 2 in {run_dir / 'checkpoints'}: another "
             f"process of the job{named} did not finish its part")
     if async_save:
-        assert "waiting for the checkpoint of step 2 to be written by all 2 processes" in first
         # Process 0 learns that process 1 is gone twice at once, from one heartbeat: its
         # barrier fails (our sentence), and JAX aborts the process, saying so; the first ends it.
         assert ((procs[0].returncode == 5 and ours in first)
