@@ -21,8 +21,9 @@ The widths (d = 256, F = 512 by default) and what is timed can be changed:
 (heads of 64: d / 64 heads, half as many key-value heads; `MOE_VARIANTS` names the MoE runs,
 comma-separated, of `tiles` and `ragged_dot`; on the ep mesh the bounded blocks are timed too.)
 
-So can the batch, `MOE_SEQUENCES` sequences of 256 tokens a step (8 by default, a multiple of
-8), and the meshes timed, `MOE_MESHES` (comma-separated, of `1`, `fsdp4xtp2` and `fsdp2xep4`).
+So can the batch, `MOE_SEQUENCES` sequences of 256 tokens a step (8 by default; a multiple of
+the meshes' data-parallel ranks: 1, 4 and 8), and the meshes timed, `MOE_MESHES`
+(comma-separated, of `1`, `fsdp4xtp2` and `fsdp2xep4`).
 The tiles' padding is a fixed number of rows a device (at most E tiles' worth, tiles of up to
 256 rows), so its share of the work falls as each device's tokens grow:
 
@@ -94,9 +95,11 @@ def _check_knobs() -> None:
     if unknown:
         _refuse(f"error: MOE_MESHES names {', '.join(unknown)}; give a comma-separated list "
                 f"of {', '.join(ALL_MESHES)}.")
-    if SEQUENCES < 8 or SEQUENCES % 8:
-        _refuse(f"error: MOE_SEQUENCES={SEQUENCES} is not a positive multiple of 8 (every "
-                "mesh's data-parallel ranks take whole sequences); give 8, 16, 32, ...")
+    ranks = max(mesh[4] for mesh in MESHES.values())
+    if SEQUENCES < 1 or SEQUENCES % ranks:
+        _refuse(f"error: MOE_SEQUENCES={SEQUENCES} is not a positive multiple of {ranks} (the "
+                f"data-parallel ranks of MOE_MESHES={','.join(MESHES)}, each taking whole "
+                f"sequences); give {ranks}, {2 * ranks}, {4 * ranks}, ...")
     if EMBED_DIM % 128:
         _refuse(f"error: MOE_EMBED_DIM={EMBED_DIM} is not a multiple of 128 (heads of 64, half "
                  "as many key-value heads); give 256, 384, 512, ...")
