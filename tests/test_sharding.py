@@ -64,6 +64,23 @@ def test_rules_table_is_overridable_and_checked():
         sharding.resolve_rules(cfg.model, mesh)
 
 
+@pytest.mark.parametrize("mesh,overrides,experts,expert_embed", [
+    ([[4, 2], ["fsdp", "tp"]], [], "fsdp", None),  # fsdp divides the 8 experts: it splits them
+    ([[4, 2], ["fsdp", "tp"]], ["model.num_experts=6"], None, "fsdp"),  # it does not: their d
+    ([[2, 4, 1], ["fsdp", "ep", "tp"]], [], "ep", "fsdp"),  # ep splits them, fsdp their d
+    ([[4, 2], ["fsdp", "tp"]], ["+model.sharding_rules.experts=null"], None, "fsdp"),
+    ([[4, 2], ["fsdp", "tp"]], ["model.sharding_rules.embed=null"], None, None),
+])
+def test_fsdp_splits_a_mixtures_experts_where_nothing_else_does(mesh, overrides, experts,
+                                                                 expert_embed):
+    """Under ZeRO 3 without ep, fsdp splits the experts themselves where it divides them (each
+    layer's all-gather then lays out whole experts), else their embed dimension; a rule the
+    user set for either is kept, and `expert_embed` follows `embed`."""
+    cfg = compose_config("model=qwen3_moe_tiny", *overrides)
+    rules = sharding.resolve_rules(cfg.model, mesh_lib.create_mesh(mesh_lib.parse(mesh, 8)))
+    assert (rules["experts"], rules["expert_embed"]) == (experts, expert_embed)
+
+
 def test_batch_is_split_over_fsdp_and_replicated_over_tp():
     cfg = compose_config(*TINY, mesh_arg(4, 2), "training.micro_batch_size=2")
     setup = Setup.create(cfg)

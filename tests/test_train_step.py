@@ -105,10 +105,10 @@ def test_each_family_gives_the_single_device_losses_on_every_mesh(family, mesh,
     stack = next(k for k in params if k.endswith("layers"))
     mlp = params[stack]["mlp"]["gate"]  # [layers, D, F]: layers over pp, D fsdp, F tp
     assert mlp.addressable_shards[0].data.size == mlp.size // ways
-    if family in ("qwen3_moe", "mixtral"):  # [layers, experts, D, F]: D fsdp, F tp
+    if family in ("qwen3_moe", "mixtral"):  # [layers, experts, D, F]: experts fsdp, F tp
         experts = params["layers"]["mlp"]["gate"]
         assert experts.addressable_shards[0].data.size == experts.size // ways
-        assert tuple(experts.sharding.spec)[1:] == (None, "fsdp" if ways == 8 else None, "tp")
+        assert tuple(experts.sharding.spec)[1:] == ("fsdp" if ways == 8 else None, None, "tp")
 
 
 def test_each_family_resumes_bitwise(family, tmp_path):

@@ -77,9 +77,12 @@ class Experts(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, activation: str):
         D, F, E = cfg.embed_dim, cfg.expert_hidden_dim, cfg.num_experts
         self.router = param(scaled_normal(rngs, (D, E), D), "embed", "expert_scores")
-        self.gate = param(scaled_normal(rngs, (E, D, F), D), "experts", "embed", "expert_mlp")
-        self.up = param(scaled_normal(rngs, (E, D, F), D), "experts", "embed", "expert_mlp")
-        self.down = param(scaled_normal(rngs, (E, F, D), F), "experts", "expert_mlp", "embed")
+        self.gate = param(scaled_normal(rngs, (E, D, F), D), "experts", "expert_embed",
+                          "expert_mlp")
+        self.up = param(scaled_normal(rngs, (E, D, F), D), "experts", "expert_embed",
+                        "expert_mlp")
+        self.down = param(scaled_normal(rngs, (E, F, D), F), "experts", "expert_mlp",
+                          "expert_embed")
         self.gated = GATED[activation]
         self.top_k, self.normalize = cfg.experts_per_token, cfg.normalize_top_k
         self.matmul, self.capacity_factor = cfg.moe_matmul, cfg.moe_capacity_factor

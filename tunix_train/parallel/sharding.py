@@ -40,7 +40,9 @@ RULES: dict[str, str | None] = {
     "embed": FSDP,
     "mlp": TP,
     "experts": EP,  # a routed layer's experts: split over ep (expert parallelism), if the mesh
-    # has it; besides, sharded over fsdp by their `embed` dimension under ZeRO 3 like a dense MLP
+    # has it; otherwise over fsdp under ZeRO 3 where fsdp divides them (`_experts_over_fsdp`)
+    "expert_embed": FSDP,  # the experts' `embed` dimension: as `embed`, where fsdp does not
+    # split the experts themselves
     "expert_scores": None,  # the router's output: a score per expert, for every expert
     "expert_mlp": TP,  # each expert's MLP width, as `mlp`
     "q_heads": TP,
@@ -63,7 +65,7 @@ RULES: dict[str, str | None] = {
 
 # Logical axes whose size must be divisible by the mesh axis they map to, or the run cannot shard
 # them; the others fall back to replication (e.g. a single KV head under tp).
-_MUST_DIVIDE = ("vocab", "embed", "mlp", "experts", "expert_mlp", "q_heads")
+_MUST_DIVIDE = ("vocab", "embed", "mlp", "experts", "expert_embed", "expert_mlp", "q_heads")
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,7 @@ def logical_dims(model: ModelConfig) -> dict[str, int]:
     }
     if model.num_experts:
         dims.update(experts=model.num_experts, expert_scores=model.num_experts,
-                    expert_mlp=model.expert_hidden_dim)
+                    expert_embed=model.embed_dim, expert_mlp=model.expert_hidden_dim)
     dims.update({f"act_{k}": v for k, v in dims.items()})
     return dims
 
@@ -100,9 +102,12 @@ def resolve_rules(model: ModelConfig, mesh: Mesh,
             f"known ones are {sorted(RULES)}."
         )
     rules = {**RULES, **model.sharding_rules}
+    if "expert_embed" not in model.sharding_rules:
+        rules["expert_embed"] = rules["embed"]
     for optional in (PP, CP, EP):
         if optional not in mesh.shape:
             rules = {name: None if axis == optional else axis for name, axis in rules.items()}
+    rules = _experts_over_fsdp(rules, model, mesh)
     if PP in mesh.shape and rules["layers"] == PP and (
             families.stacking(model).num_blocks % mesh.shape[PP] or pipeline_repeats > 1):
         # Blocks that do not divide into the stages, or a circular schedule's stages of chunks
@@ -131,8 +136,25 @@ def resolve_rules(model: ModelConfig, mesh: Mesh,
 
 
 _DIM_KEYS = {"vocab": "vocab_size", "embed": "embed_dim", "mlp": "hidden_dim",
-             "experts": "num_experts", "expert_mlp": "expert_hidden_dim",
-             "q_heads": "num_heads"}
+             "experts": "num_experts", "expert_embed": "embed_dim",
+             "expert_mlp": "expert_hidden_dim", "q_heads": "num_heads"}
+
+
+def _experts_over_fsdp(rules: dict[str, str | None], model: ModelConfig,
+                       mesh: Mesh) -> dict[str, str | None]:
+    """Where nothing else splits a mixture's experts (no ep) and ZeRO 3 would split their
+    `embed` dimension over fsdp, fsdp splits the experts instead, if it divides them: the same
+    bytes a device, but each layer's all-gather then lays out whole experts one after another
+    (the outermost dimension), as the tiles' per-expert weights are read. Gathered along
+    `embed`, XLA's CPU compiler kept `embed` outermost and every tile read its weight through a
+    transposed view, 15% of bench/moe.py's MoE step on fsdp 4 x tp 2 (docs/performance.md). A
+    rule the user set for either axis is kept."""
+    fsdp = mesh.shape.get(FSDP, 1)
+    if (not model.num_experts or fsdp == 1 or model.num_experts % fsdp
+            or rules["experts"] is not None or rules["expert_embed"] != FSDP
+            or {"experts", "expert_embed"} & set(model.sharding_rules)):
+        return rules
+    return {**rules, "experts": FSDP, "expert_embed": None}
 
 
 def zero_rules(model: ModelConfig, mesh: Mesh, zero_stage: int,
