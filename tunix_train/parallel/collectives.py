@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -74,11 +75,38 @@ def is_fetch(x: Any) -> bool:
 def _fetch(param: jax.Array, target: jax.Array, how: How) -> jax.Array:
     del target
     param = to_device(param).astype(how.compute_dtype)  # offloaded: this layer's copy comes in
-    if how.gather_axis is None:
+    if how.gather_axis is None or _size(how.gather_group) == 1:
         return param
-    gather = lambda p: jax.lax.all_gather(p, how.gather_group, axis=how.gather_axis,  # noqa: E731
-                                          tiled=True)
+    gather = lambda p: _gathered(p, how.gather_group, how.gather_axis)  # noqa: E731
     return per_tp_shard(gather, how.tp_spec)(param)
+
+
+# A parameter's gather and its gradient's reduction over a group of one device (fsdp = 1: one
+# device, tp-only meshes) are left out, not left to XLA: XLA's CPU compiler keeps them as
+# copies, lays their results out along the collective's axis, and the tiles' weight gathers
+# then read every expert weight through a transposed view (bench/moe.py's one-device MoE step
+# went 890 → 815 ms, docs/performance.md).
+
+def _size(group: tuple[str, ...]) -> int:
+    """Devices in a group of mesh axes (inside the shard_map)."""
+    return math.prod(jax.lax.axis_size(axis) for axis in group)
+
+
+def _gathered(x: jax.Array, group: tuple[str, ...], axis: int) -> jax.Array:
+    """x's blocks over `group` concatenated along `axis`."""
+    return jax.lax.all_gather(x, group, axis=axis, tiled=True) if _size(group) > 1 else x
+
+
+def _sum(x: jax.Array, group: tuple[str, ...]) -> jax.Array:
+    """x summed over the devices of `group`."""
+    return jax.lax.psum(x, group) if _size(group) > 1 else x
+
+
+def _sum_scattered(x: jax.Array, group: tuple[str, ...], axis: int) -> jax.Array:
+    """x summed over `group`, each device keeping its block along `axis`."""
+    if _size(group) == 1:
+        return x
+    return jax.lax.psum_scatter(x, group, scatter_dimension=axis, tiled=True)
 
 
 def _fetch_fwd(param, target, how):
@@ -175,8 +203,7 @@ def _fetch_stage(param: jax.Array, target: jax.Array, how: How, stages: int, row
         else:
             p = jax.lax.dynamic_slice_in_dim(p, jax.lax.axis_index(PP) * rows, rows)
         if how.gather_axis is not None:
-            p = jax.lax.all_gather(p, _without_pp(how.gather_group), axis=how.gather_axis,
-                                   tiled=True)
+            p = _gathered(p, _without_pp(how.gather_group), how.gather_axis)
         return p
 
     return per_tp_shard(gather, how.tp_spec)(param[:stages * rows].astype(how.compute_dtype))
@@ -189,10 +216,9 @@ def _fetch_stage_fwd(param, target, how, stages, rows, total):
 def _fetch_stage_bwd(how: How, stages: int, rows: int, total: int, _, grad: jax.Array):
     def reduce(g):
         if how.scatter_axis is None:
-            g = jax.lax.psum(g, how.data_group)
+            g = _sum(g, how.data_group)
         else:
-            g = jax.lax.psum_scatter(g, _without_pp(how.scatter_group),
-                                     scatter_dimension=how.scatter_axis, tiled=True)
+            g = _sum_scattered(g, _without_pp(how.scatter_group), how.scatter_axis)
             g = _summed_over_rest(g, how.data_group, how.scatter_group)
             if PP in how.scatter_group:
                 g = jax.lax.all_to_all(g[None], PP, split_axis=how.scatter_axis + 1,
@@ -223,8 +249,7 @@ def _summed_over_rest(grad: jax.Array, data_group: tuple[str, ...],
                       scatter_group: tuple[str, ...]) -> jax.Array:
     """A gradient reduce-scattered over `scatter_group`, summed over the data-parallel axes
     that group leaves out (cp, where a dimension splits over fsdp but not fsdp × cp)."""
-    rest = tuple(a for a in data_group if a not in scatter_group)
-    return jax.lax.psum(grad, rest) if rest else grad
+    return _sum(grad, tuple(a for a in data_group if a not in scatter_group))
 
 
 # The embedding lookup. A [V, D] gradient of a few hundred looked-up rows would be almost all
@@ -283,12 +308,11 @@ def reduce_one(grad: jax.Array, scatter_axis: int | None, scatter_group: tuple[s
     spread over pp) if there is one, and a sum over pp too if asked."""
     def reduce(grad):
         if scatter_axis is None:
-            grad = jax.lax.psum(grad, data_group)
+            grad = _sum(grad, data_group)
         else:
-            grad = jax.lax.psum_scatter(grad, scatter_group, scatter_dimension=scatter_axis,
-                                        tiled=True)
+            grad = _sum_scattered(grad, scatter_group, scatter_axis)
             grad = _summed_over_rest(grad, data_group, scatter_group)
-        return jax.lax.psum(grad, PP) if over_pp else grad
+        return _sum(grad, (PP,)) if over_pp else grad
 
     return cpu_safe_reduction(reduce)(grad)
 
