@@ -81,11 +81,11 @@ def _fetch(param: jax.Array, target: jax.Array, how: How) -> jax.Array:
     return per_tp_shard(gather, how.tp_spec)(param)
 
 
-# A parameter's gather and its gradient's reduction over a group of one device (fsdp = 1: one
-# device, tp-only meshes) are left out, not left to XLA: XLA's CPU compiler keeps them as
-# copies, lays their results out along the collective's axis, and the tiles' weight gathers
-# then read every expert weight through a transposed view (bench/moe.py's one-device MoE step
-# went 890 → 815 ms, docs/performance.md).
+# A parameter's gather and its gradient's reduction (an embedding's ids and rows too) over a
+# group of one device (fsdp = 1: one device, tp-only meshes) are left out, not left to XLA:
+# XLA's CPU compiler keeps them as copies, lays their results out along the collective's axis,
+# and the tiles' weight gathers then read every expert weight through a transposed view
+# (bench/moe.py's one-device MoE step went 890 → 815 ms, docs/performance.md).
 
 def _size(group: tuple[str, ...]) -> int:
     """Devices in a group of mesh axes (inside the shard_map)."""
@@ -264,7 +264,7 @@ def _take(param: jax.Array, target: jax.Array, ids_T: jax.Array, how: How,
           vocab: int) -> jax.Array:
     del target, vocab
     param = param.astype(how.compute_dtype)
-    if how.gather_axis is None:  # the table is whole here
+    if how.gather_axis is None or _size(how.gather_group) == 1:  # the table is whole here
         return jnp.take(param, ids_T, axis=0)
     # Every device looks up every device's ids in its own columns; all-to-all sends each
     # device's rows home, the columns concatenated in the group's order.
@@ -281,19 +281,19 @@ def _take_bwd(how: How, vocab: int, ids_T: jax.Array, grad_TxD: jax.Array):
     rows, ids = grad_TxD, ids_T  # unreduced (sync_every > 1): this device's own rows
     if how.reduce:  # every device's gradient rows, in all columns or in this device's own
         group = how.scatter_group or how.data_group
-        ids = jax.lax.all_gather(ids_T, group, tiled=True)
+        ids = _gathered(ids_T, group, 0)
         with jax.named_scope(SYNC_SCOPE):
             rows = grad_TxD.astype(how.reduce_dtype)
             if how.over_pp:  # the rows of every pipeline stage's lookup (only the first's count)
                 rows = cpu_safe_reduction(lambda r: jax.lax.psum(r, PP))(rows)
             if how.scatter_axis is None:
-                rows = jax.lax.all_gather(rows, group, tiled=True)
-            else:
+                rows = _gathered(rows, group, 0)
+            elif _size(group) > 1:
                 rows = jax.lax.all_to_all(rows[None], group, split_axis=2, concat_axis=0,
                                           tiled=True).reshape(ids.shape[0], -1)
             rest = tuple(a for a in how.data_group if a not in group)
-            if rest:  # the rows of the data-parallel devices outside the group (cp) as well
-                ids, rows = (jax.lax.all_gather(a, rest, tiled=True) for a in (ids, rows))
+            # the rows of the data-parallel devices outside the group (cp) as well
+            ids, rows = (_gathered(a, rest, 0) for a in (ids, rows))
     grad = jax.ops.segment_sum(rows.astype(jnp.float32), ids, num_segments=vocab)
     return None, grad.astype(how.grad_dtype), None
 
