@@ -81,34 +81,6 @@ def _fetch(param: jax.Array, target: jax.Array, how: How) -> jax.Array:
     return per_tp_shard(gather, how.tp_spec)(param)
 
 
-# A parameter's gather and its gradient's reduction (an embedding's ids and rows too) over a
-# group of one device (fsdp = 1: one device, tp-only meshes) are left out, not left to XLA:
-# XLA's CPU compiler keeps them as copies, lays their results out along the collective's axis,
-# and the tiles' weight gathers then read every expert weight through a transposed view
-# (bench/moe.py's one-device MoE step went 890 → 815 ms, docs/performance.md).
-
-def _size(group: tuple[str, ...]) -> int:
-    """Devices in a group of mesh axes (inside the shard_map)."""
-    return math.prod(jax.lax.axis_size(axis) for axis in group)
-
-
-def _gathered(x: jax.Array, group: tuple[str, ...], axis: int) -> jax.Array:
-    """x's blocks over `group` concatenated along `axis`."""
-    return jax.lax.all_gather(x, group, axis=axis, tiled=True) if _size(group) > 1 else x
-
-
-def _sum(x: jax.Array, group: tuple[str, ...]) -> jax.Array:
-    """x summed over the devices of `group`."""
-    return jax.lax.psum(x, group) if _size(group) > 1 else x
-
-
-def _sum_scattered(x: jax.Array, group: tuple[str, ...], axis: int) -> jax.Array:
-    """x summed over `group`, each device keeping its block along `axis`."""
-    if _size(group) == 1:
-        return x
-    return jax.lax.psum_scatter(x, group, scatter_dimension=axis, tiled=True)
-
-
 def _fetch_fwd(param, target, how):
     return _fetch(param, target, how), None
 
@@ -331,3 +303,31 @@ def cpu_safe_reduction(reduce: Callable[[jax.Array], jax.Array]) -> Callable:
             return reduce(x.astype(jnp.float32)).astype(dtype)
 
     return widened
+
+
+# A parameter's gather and its gradient's reduction (an embedding's ids and rows too) over a
+# group of one device (fsdp = 1: one device, tp-only meshes) are left out, not left to XLA:
+# XLA's CPU compiler keeps them as copies, lays their results out along the collective's axis,
+# and the tiles' weight gathers then read every expert weight through a transposed view
+# (bench/moe.py's one-device MoE step went 890 → 815 ms, docs/performance.md).
+
+def _size(group: tuple[str, ...]) -> int:
+    """Devices in a group of mesh axes (inside the shard_map)."""
+    return math.prod(jax.lax.axis_size(axis) for axis in group)
+
+
+def _gathered(x: jax.Array, group: tuple[str, ...], axis: int) -> jax.Array:
+    """x's blocks over `group` concatenated along `axis`."""
+    return jax.lax.all_gather(x, group, axis=axis, tiled=True) if _size(group) > 1 else x
+
+
+def _sum(x: jax.Array, group: tuple[str, ...]) -> jax.Array:
+    """x summed over the devices of `group`."""
+    return jax.lax.psum(x, group) if _size(group) > 1 else x
+
+
+def _sum_scattered(x: jax.Array, group: tuple[str, ...], axis: int) -> jax.Array:
+    """x summed over `group`, each device keeping its block along `axis`."""
+    if _size(group) == 1:
+        return x
+    return jax.lax.psum_scatter(x, group, scatter_dimension=axis, tiled=True)
