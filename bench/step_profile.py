@@ -37,10 +37,14 @@ from tunix_train import cli  # noqa: E402
 from tunix_train.training.setup import Setup  # noqa: E402
 
 STEPS = 3
+# A collective by its XLA operation's or kernel's own name (XLA's CPU names some with dashes,
+# some with underscores), never by its call path: a tensor-parallel all-reduce carries the
+# op_name of the matmul whose partial sums it adds.
+COLLECTIVES = ("nccl", "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "all_gather",
+               "reduce_scatter", "all_to_all", "collective-permute")
 KINDS = (  # (kind, words in a kernel's or operation's name), the first that matches
     ("attention", ("fmha", "flash", "cudnn", "attention", "attn")),
     ("matmul", ("gemm", "cublas", "cutlass", "nvjet", "xmma", "dot", "matmul", "wgmma")),
-    ("collective", ("nccl", "all-reduce", "all-gather", "reduce-scatter", "all-to-all")),
     ("copy", ("memcpy", "memset", "copy", "dynamic-update-slice")),
     ("fusion", ("fusion", "reduce", "convert", "transpose", "broadcast", "loop", "input")),
 )
@@ -99,8 +103,10 @@ def op_names(hlo: str) -> dict[str, str]:
     return {m.group(1): f"{re.sub(r'[{].*', '', m.group(2))} {m.group(3)}" for m in found}
 
 
-def kind_of(op: str, kernel: str) -> str:
-    name = f"{kernel} {op}".lower()
+def kind_of(op: str, kernel: str, path_end: str = "") -> str:
+    if any(w in f"{kernel} {op}".lower() for w in COLLECTIVES):
+        return "collective"
+    name = f"{kernel} {op} {path_end}".lower()
     return next((kind for kind, words in KINDS if any(w in name for w in words)), "other")
 
 
@@ -115,8 +121,7 @@ def report(ops: dict, wall_s: float, names: dict[str, str]) -> dict:
     kinds: dict = collections.Counter()
     by_op: dict = collections.defaultdict(lambda: [0.0, 0, set()])
     for (op, kernel), (ns, launches) in ops.items():
-        kinds[kind_of(op, f"{kernel} {names.get(op, '').rpartition('/')[2]}")] += \
-            ns / 1e6 / STEPS
+        kinds[kind_of(op, kernel, names.get(op, "").rpartition("/")[2])] += ns / 1e6 / STEPS
         by_op[op][0] += ns / 1e6 / STEPS
         by_op[op][1] += launches // STEPS
         by_op[op][2].add(kernel)
