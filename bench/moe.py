@@ -8,18 +8,21 @@ per token in every matmul but the router's (d × E). Both train on the same rand
 same attention, on one device, on fsdp 4 × tp 2 and with the experts split over devices on
 fsdp 2 × ep 4 (the dense model there on fsdp 8: ep devices are data-parallel ranks for every
 weight but the experts), timed in alternating rounds; the ratio
-step(MoE) / step(dense) is what routing costs: the router, the sort, the tiles' padding (at
-most half the rows again) and moving rows to their experts and back. `model.moe_matmul=
-ragged_dot` (jax.lax.ragged_dot, which XLA's CPU compiler turns into every row times every
-expert) is timed beside it. The last line is JSON.
+step(MoE) / step(dense) is what routing costs: the router, the sort, moving rows to their
+experts and back, and the grouped matmul's own waste. Three grouped matmuls are timed:
+`blocks` (the default: each expert's mean share in place, the rest by a loop over the tiles it
+fills), `model.moe_matmul=tiles` (every expert's rows padded to tiles: at most half the rows
+again) and `model.moe_matmul=ragged_dot` (jax.lax.ragged_dot, which XLA's CPU compiler turns
+into every row times every expert). The last line is JSON.
 
 The widths (d = 256, F = 512 by default) and what is timed can be changed:
 
-    MOE_EMBED_DIM=512 MOE_EXPERT_WIDTH=1024 MOE_VARIANTS=tiles \
+    MOE_EMBED_DIM=512 MOE_EXPERT_WIDTH=1024 MOE_VARIANTS=blocks \
         XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/moe.py
 
 (heads of 64: d / 64 heads, half as many key-value heads; `MOE_VARIANTS` names the MoE runs,
-comma-separated, of `tiles` and `ragged_dot`; on the ep mesh the bounded blocks are timed too.)
+comma-separated, of `blocks`, `tiles` and `ragged_dot`; on the ep mesh, where the rows travel
+and go through the tiles whatever the variant, the bounded blocks are timed too.)
 
 So can the batch, `MOE_SEQUENCES` sequences of 256 tokens a step (8 by default; a multiple of
 the meshes' data-parallel ranks: 1, 4 and 8), and the meshes timed, `MOE_MESHES`
@@ -77,9 +80,11 @@ ALL_MESHES = {"1": ("1 device", ONE_DEVICE, ONE_DEVICE, 1, 1),
                             'model.mesh_shape=[[8,1],["fsdp","tp"]]', 8, 8)}
 MESHES = {name: ALL_MESHES.get(name) for name in
           os.environ.get("MOE_MESHES", ",".join(ALL_MESHES)).split(",")}
-# The MoE runs timed against the dense one: the default, ragged_dot, and on an ep mesh the
-# exchange's blocks bounded at twice a shard's mean share (dropless blocks: the worst case).
-ALL_VARIANTS = {"tiles": [], "ragged_dot": ["model.moe_matmul=ragged_dot"]}
+# The MoE runs timed against the dense one: the default (blocks), the tiles, ragged_dot, and on
+# an ep mesh the exchange's blocks bounded at twice a shard's mean share (dropless blocks: the
+# worst case).
+ALL_VARIANTS = {"blocks": [], "tiles": ["model.moe_matmul=tiles"],
+                "ragged_dot": ["model.moe_matmul=ragged_dot"]}
 VARIANTS = {name: ALL_VARIANTS.get(name) for name in
             os.environ.get("MOE_VARIANTS", ",".join(ALL_VARIANTS)).split(",")}
 EP_VARIANTS = {"tiles_blocks_2x": ["model.moe_ep_buffer_factor=2"]}
@@ -115,7 +120,10 @@ def main(overrides: list[str]) -> dict:
     rows = []
     for name, mesh, dense_mesh, devices, ranks in MESHES.values():
         micro = [f"training.micro_batch_size={SEQUENCES // ranks}"]
-        variants = {**VARIANTS, **(EP_VARIANTS if '"ep"' in mesh else {})}
+        ep = '"ep"' in mesh  # the rows travel and go through the tiles: blocks are tiles there
+        variants = {**{v: extra for v, extra in VARIANTS.items()
+                       if not (ep and v == "tiles" and "blocks" in VARIANTS)},
+                    **(EP_VARIANTS if ep else {})}
         runs = {"dense": train_stepper([*DENSE, *SHARED, *overrides, dense_mesh, *micro],
                                        devices)[1]}
         for variant, extra in variants.items():

@@ -174,6 +174,111 @@ def test_the_tiled_matmul_does_the_rows_work_not_every_experts():
                                   expected)
 
 
+def _every_expert(x, experts_TxK, weights_TxK, gate, up, down):
+    """Each token through every expert, weighted by its routing (zero for those not picked)."""
+    weight_TxE = jnp.zeros((x.shape[0], gate.shape[0])).at[
+        jnp.arange(x.shape[0])[:, None], experts_TxK].set(weights_TxK)
+    h_ExTxF = GATED["silu"](jnp.einsum("td,edf->etf", x, gate), jnp.einsum("td,edf->etf", x, up))
+    return jnp.einsum("etf,efd,te->td", h_ExTxF, down, weight_TxE)
+
+
+@pytest.mark.parametrize("spread", ["every_token_to_two_experts", "even", "uneven"])
+def test_blocks_overflow_loop_gives_the_dense_values_and_gradients(spread):
+    """`blocks`: each expert's first ⌈T·k / E⌉ rows in place, the rest through the loop over
+    the tiles they fill. Values and gradients (rows, weights, routing weights) equal every
+    expert on every token, weighted, in the worst case (every token to the same two experts:
+    the loop holds nearly all rows), with no overflow at all (each expert exactly its share:
+    the loop runs no tile) and with an uneven spread (both parts)."""
+    tokens = 64
+    rng = np.random.default_rng(7)
+    if spread == "every_token_to_two_experts":
+        experts = np.tile([3, 5], (tokens, 1))
+    elif spread == "even":
+        experts = np.stack([np.arange(tokens) % E, (np.arange(tokens) + 1) % E], axis=1)
+    else:
+        experts = np.stack([rng.choice(E, 2, replace=False, p=np.linspace(1, 3, E) / 16)
+                            for _ in range(tokens)])
+    experts = jnp.asarray(experts, jnp.int32)
+    _, _, (_, gate, up, down), _ = hf_block("qwen3_moe")
+    x = jnp.asarray(rng.normal(size=(tokens, D)).astype(np.float32))
+    gates = jnp.asarray(rng.uniform(0.2, 1, size=(tokens, K)).astype(np.float32))
+    probe = jnp.asarray(rng.normal(size=(tokens, D)).astype(np.float32))
+
+    def blocks(x, gates, gate, up, down):
+        routing = moe.Routing(gates, experts, jnp.zeros((tokens, E)), jnp.zeros(tokens))
+        return moe.experts_mlp(x, routing, gate, up, down, GATED["silu"], "blocks")
+
+    def dense(x, gates, gate, up, down):
+        return _every_expert(x, experts, gates, gate, up, down)
+
+    share = moe.capacity(tokens * K, E, 1.0)  # 16 rows; the overflow in tiles of 8
+    used = int(moe.overflow_plan(experts.reshape(-1), K, E, share).used)
+    assert used == {"every_token_to_two_experts": 2 * (tokens - share) // 8, "even": 0}.get(
+        spread, used) and (used > 0) == (spread != "even")
+    args = (x, gates, gate, up, down)
+    loss = lambda f: lambda *a: jnp.sum(f(*a) * probe)  # noqa: E731
+    for ours, reference in zip(jax.jit(jax.value_and_grad(loss(blocks), argnums=range(5)))(*args),
+                               jax.value_and_grad(loss(dense), argnums=range(5))(*args)):
+        for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(reference)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def _collectives_in_loops(program: str) -> list[str]:
+    """The collectives a while loop's body runs (or anything it calls), in compiled HLO text."""
+    from tunix_train.analysis import hlo
+
+    module = hlo.parse(program)
+    bodies = [re.search(r"body=%([\w.\-]+)", i.attrs).group(1)
+              for instructions in module.computations.values() for i in instructions
+              if i.opcode == "while"]
+    seen, found = set(), []
+    while bodies:
+        name = bodies.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for inst in module.computations.get(name, ()):
+            if inst.opcode.removesuffix("-start") in ("all-reduce", "all-gather",
+                                                       "reduce-scatter", "all-to-all"):
+                found.append(inst.name)
+            bodies += re.findall(r"(?:calls|body|condition|to_apply)=%([\w.\-]+)", inst.attrs)
+    return found
+
+
+def test_blocks_on_tp_sum_the_overflow_once_after_its_loop_and_give_one_devices_gradients():
+    """With the experts' width split over tp (XLA's partitioner, as in the train step), the
+    loop runs on each device's share of every expert and its partial sums are added once after
+    it: no collective inside a loop of the compiled program (left to XLA, every tile's down
+    projection was all-reduced inside the loop), and the same values and gradients as on one
+    device."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    from tunix_train.parallel import sharding
+
+    _, _, (router, gate, up, down), normalize = hf_block("qwen3_moe_norm")
+    x = jnp.asarray(np.random.default_rng(8).normal(size=(96, D)).astype(np.float32))
+
+    def loss(x, gate, up, down):
+        routing = moe.route(x, router, K, normalize)
+        return jnp.sum(jnp.sin(moe.experts_mlp(x, routing, gate, up, down, GATED["silu"],
+                                               "blocks")))
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=range(4)))
+    reference = step(x, gate, up, down)
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2,
+                         devices=jax.devices()[:8])
+    with sharding.activate(mesh, tuple(sharding.RULES.items())):
+        put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))  # noqa: E731
+        args = (put(x), put(gate, None, None, "tp"), put(up, None, None, "tp"),
+                put(down, None, "tp", None))
+        step = jax.jit(jax.value_and_grad(loss, argnums=range(4)))
+        ours = step(*args)
+        program = step.lower(*args).compile().as_text()
+    assert _collectives_in_loops(program) == [] and " all-reduce(" in program
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(reference)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("factor", [0.5, 1.0, 4.0])
 def test_a_capacity_drops_the_rows_numpy_says_and_a_large_one_none(factor):
     """With a capacity factor each expert takes its first ceil(factor · T·k / E) assignments in
@@ -410,10 +515,10 @@ def test_the_grouped_matmul_kernel_equals_ragged_dot_in_values_and_gradients():
     assert float(jnp.abs(ours[1][1]).max()) == 0 and float(jnp.abs(ours[1][3]).min()) > 0
 
 
-def test_auto_takes_our_kernels_on_a_gpu_without_tp_and_tiles_elsewhere(monkeypatch):
-    """model.moe_matmul=auto (the default): tiles on this CPU, as the layout the step is built
+def test_auto_takes_our_kernels_on_a_gpu_without_tp_and_blocks_elsewhere(monkeypatch):
+    """model.moe_matmul=auto (the default): blocks on this CPU, as the layout the step is built
     from records and the start-up experts line says; on a GPU (faked), our Pallas kernels on
-    fsdp 4, tiles on tp 2 (XLA would gather the kernels' experts whole) and where a width is no
+    fsdp 4, blocks on tp 2 (XLA would gather the kernels' experts whole) and where a width is no
     multiple of 16 (Triton's least dot); a named matmul is kept."""
     from dataclasses import replace
 
@@ -426,11 +531,11 @@ def test_auto_takes_our_kernels_on_a_gpu_without_tp_and_tiles_elsewhere(monkeypa
     assert cfg.model.moe_matmul == "auto"
     mesh = mesh_lib.create_mesh(mesh_lib.parse(cfg.model.mesh_shape, 4), jax.devices()[:4])
     layout = ParamLayout.create(cfg.model, mesh, 3)
-    assert families.experts_line(layout.model, 1).endswith("; grouped matmul tiles")
+    assert families.experts_line(layout.model, 1).endswith("; grouped matmul blocks")
     monkeypatch.setattr(backend, "is_gpu", lambda: True)
     assert ParamLayout.create(cfg.model, mesh, 3).model.moe_matmul == "pallas"
-    assert moe.chosen_matmul(cfg.model, tp=2) == "tiles"
-    assert moe.chosen_matmul(replace(cfg.model, expert_hidden_dim=40), tp=1) == "tiles"
+    assert moe.chosen_matmul(cfg.model, tp=2) == "blocks"
+    assert moe.chosen_matmul(replace(cfg.model, expert_hidden_dim=40), tp=1) == "blocks"
     assert moe.chosen_matmul(replace(cfg.model, moe_matmul="ragged_dot"), tp=1) == "ragged_dot"
 
 

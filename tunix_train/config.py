@@ -54,9 +54,9 @@ class ModelConfig:
     normalize_top_k: bool = True  # the k routing weights rescaled to sum to 1 (norm_topk_prob)
     moe_every: int = 1  # layers n-1, 2n-1, … are routed, the others dense (decoder_sparse_step)
     router_aux_loss_coef: float = 0.001  # the load-balancing loss's weight (HF config's)
-    moe_matmul: str = "auto"  # auto (pallas on a GPU without tp, else tiles) | tiles | ragged_dot
-    # | tokamax | pallas (tiles through models/grouped_matmul.py's kernels: GPUs; interpreted
-    # elsewhere)
+    moe_matmul: str = "auto"  # auto (pallas on a GPU without tp, else blocks) | blocks | tiles
+    # | ragged_dot | tokamax | pallas (tiles through models/grouped_matmul.py's kernels: GPUs;
+    # interpreted elsewhere)
     # (jax.lax.ragged_dot: XLA's CPU and GPU compilers multiply every row by every expert)
     moe_capacity_factor: Optional[float] = None  # None = dropless; else each expert takes at
     # most factor x its mean share of a micro-batch's rows, the rest dropped (logged)

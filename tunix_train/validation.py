@@ -57,7 +57,8 @@ _CHOICES = {
     ("model", "cp_exchange"): ("all_gather", "ring"),
     ("model", "family"): FAMILY_NAMES,
     ("model", "rope_type"): ("linear", "llama3"),
-    ("model", "moe_matmul"): ("auto", "tiles", "ragged_dot", "tokamax", "pallas"),
+    ("model", "moe_matmul"): ("auto", "blocks", "tiles", "ragged_dot", "tokamax",
+                                 "pallas"),
     ("logging", "progress"): ("auto", "always", "never"),
     ("data", "packing"): ("concat", "first_fit"),
     ("data", "dtype"): ("uint16", "uint32"),
@@ -222,7 +223,7 @@ def _validate_tokamax(cfg: Config) -> None:
     if importlib.util.find_spec("tokamax") is None:
         raise ConfigError("model.moe_matmul=tokamax needs the tokamax package, which is not "
                           "installed: pip install -c constraints.txt -e '.[cuda]' (or tokamax), "
-                          "or set model.moe_matmul=tiles.")
+                          "or set model.moe_matmul=blocks.")
 
 
 def _mesh_size(cfg: Config, axis: str) -> int:

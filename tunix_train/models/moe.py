@@ -9,10 +9,13 @@ transformers' implementations).
 
 Dropless by sorting: the T·k (token, expert) assignments are grouped by expert, so each
 expert's rows are contiguous; a grouped matmul multiplies each group of rows by its own
-expert's weight (`tiled` by default, `jax.lax.ragged_dot` on request), and each token gathers
-its k rows back, weighted. No token is dropped (unless a capacity says so); the work is about
-the k experts' per token, not E's. Where this device holds only a shard of the experts (an
-`ep` mesh axis), the rows travel to their experts' devices and back (`exchanged`).
+expert's weight, and each token gathers its k rows back, weighted. By default (`blocks`) each
+expert's first rows up to its mean share fill a block of its own, multiplied where its weight
+lies, and the rows past it go through a loop over the tiles they fill (`in_blocks`); `tiled`
+pads every expert's rows to whole tiles, `jax.lax.ragged_dot` is there on request. No token is
+dropped (unless a capacity says so); the work is about the k experts' per token, not E's.
+Where this device holds only a shard of the experts (an `ep` mesh axis), the rows travel to
+their experts' devices and back (`exchanged`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from tunix_train import backend, validation
 from tunix_train.config import ConfigError
-from tunix_train.models import params as model_params
+from tunix_train.models import params as model_params, partitioning
 from tunix_train.models.layers import PROJECTION
 
 # models/grouped_matmul.py (Pallas kernels, tokamax) is imported where it is used: importing
@@ -70,7 +73,8 @@ def experts_mlp(x_TxD: jax.Array, routing: Routing, gate_ExDxF: jax.Array, up_Ex
     named as a dense layer's are (`PROJECTION`), so `training.remat=save_dots` keeps them for
     the backward pass rather than multiplying again. Given fewer experts than the router
     scores (this device's shard of them, expert parallelism), the rows travel (`exchanged`,
-    in `blocks` bounded by `buffer_factor`)."""
+    in `blocks` bounded by `buffer_factor`) and are laid out as `matmul` says (`blocks`: by
+    the tiles). Dropless with every expert here, `matmul=blocks` is `in_blocks`."""
     T, k = routing.experts_TxK.shape
     num_experts, held = routing.probs_TxE.shape[1], gate_ExDxF.shape[0]
     expert_of_A = routing.experts_TxK.reshape(T * k)  # A = T·k assignments, token-major
@@ -81,6 +85,9 @@ def experts_mlp(x_TxD: jax.Array, routing: Routing, gate_ExDxF: jax.Array, up_Ex
     blocks = blocks_for(T, k, num_experts, held, capacity_factor, buffer_factor)
     if blocks is not None:
         y_TxKxD = exchanged(x_TxD, expert_of_A, k, blocks, MATMULS[matmul], mlp, per_expert)
+    elif per_expert is None and matmul == "blocks":
+        y_TxKxD = in_blocks(x_TxD, expert_of_A, k, num_experts, mlp,
+                            (gate_ExDxF, up_ExDxF, down_ExFxD), gated)
     else:
         if per_expert is None:
             rows = MATMULS[matmul](expert_of_A, k, num_experts)
@@ -99,6 +106,142 @@ def _mlp(x_PxD: jax.Array, rows: Rows, gate_ExDxF: jax.Array, up_ExDxF: jax.Arra
 
     h_PxF = gated(project(x_PxD, gate_ExDxF), project(x_PxD, up_ExDxF))
     return project(h_PxF, down_ExFxD)
+
+
+def in_blocks(x_TxD: jax.Array, expert_of_A: jax.Array, k: int, experts: int, mlp: Callable,
+              weights: tuple[jax.Array, jax.Array, jax.Array], gated: Callable) -> jax.Array:
+    """Each token's k results [T, k, D], dropless: each expert's first C = ⌈T·k / E⌉ rows (its
+    mean share) in a block of its own, the whole MLP on them as one batched matmul per
+    projection over the weights where they lie ([E, C, D] × [E, D, F], `capped`: no copy of a
+    weight, no padding past the blocks), and the rows past an expert's C (the overflow) through
+    `overflow`, a loop over only the tiles they fill. Where `tiled` computes the worst case's
+    padding on every step (E · (tile - 1) rows, half the rows again at 128 rows an expert), this
+    computes the blocks' T·k rows plus what routing left over."""
+    T = x_TxD.shape[0]
+    share = capacity(T * k, experts, 1.0)
+    rows = capped(expert_of_A, k, experts, share)
+    y_TxKxD = rows.to_tokens(mlp(rows.from_tokens(x_TxD), rows), T)
+    plan = overflow_plan(expert_of_A, k, experts, share)
+    return y_TxKxD + overflow(x_TxD, plan, *weights, gated).reshape(T, k, -1)
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["slot_R", "expert_N", "used"], meta_fields=["k", "tile"])
+@dataclass(frozen=True)
+class Overflow:
+    """The rows past each expert's block, grouped by expert into tiles of `tile` rows: slot r
+    holds assignment `slot_R[r]` (-1: none; token = assignment // k), tile n is expert
+    `expert_N[n]`'s, and the first `used` tiles hold them all (static: R slots for the worst
+    case, one expert taking every row; only the used tiles are computed)."""
+
+    slot_R: jax.Array
+    expert_N: jax.Array
+    used: jax.Array  # int32 scalar
+    k: int
+    tile: int
+
+
+def overflow_plan(expert_of_A: jax.Array, k: int, experts: int, share: int) -> Overflow:
+    """Where the assignments past each expert's first `share` rows go: tiles of a quarter of
+    the share (8 at least; a half or an eighth measured no faster on CPU), each expert's rows
+    in tiles of their own."""
+    A = expert_of_A.shape[0]
+    tile = max(8, share // 4)
+    sizes_E, _, rank_A = _sorted(expert_of_A, experts)
+    tiles_E = (jnp.maximum(sizes_E - share, 0) + tile - 1) // tile
+    first_tile_E = jnp.cumsum(tiles_E) - tiles_E
+    n_tiles = -(-max(A - share, 0) // tile) + experts  # one expert's rows past its share, or
+    # several experts' ending in part-filled tiles: Σ ⌈o_e / tile⌉ ≤ (A - share) / tile + E
+    slot_A = jnp.where((rank_A >= share) & (expert_of_A >= 0),
+                       first_tile_E[expert_of_A] * tile + rank_A - share, n_tiles * tile)
+    slot_R = jnp.full(n_tiles * tile, -1, jnp.int32).at[slot_A].set(
+        jnp.arange(A, dtype=jnp.int32), mode="drop")
+    expert_N = jnp.minimum(jnp.searchsorted(jnp.cumsum(tiles_E), jnp.arange(n_tiles),
+                                            side="right"), experts - 1).astype(jnp.int32)
+    return Overflow(slot_R, expert_N, jnp.sum(tiles_E).astype(jnp.int32), k, tile)
+
+
+def overflow(x_TxD: jax.Array, plan: Overflow, gate_ExDxF: jax.Array, up_ExDxF: jax.Array,
+             down_ExFxD: jax.Array, gated: Callable) -> jax.Array:
+    """The overflow's results [T·k, D] (zero for the rows in blocks): a `lax.fori_loop` over
+    the used tiles, each tile's whole MLP on its rows gathered from the tokens, through the
+    weights of its expert as they lie (`_overflow_rows`). Where XLA splits the experts' width
+    over a mesh axis (tp), each device runs the loop on its share of it and the results are
+    summed once after the loop (`partitioning.per_device`): left to XLA, every tile's down
+    projection would be summed over tp inside the loop, a collective an iteration."""
+    dtype, width = x_TxD.dtype, gate_ExDxF.shape[-1]
+    axis = partitioning.axis_of("expert_mlp")
+
+    def rows(x, gate, up, down, slot_R, expert_N, used):
+        tiles = Overflow(slot_R, expert_N, used, plan.k, plan.tile)
+        y = _overflow_rows(gated, tiles, x, gate, up, down)
+        return y if gate.shape[-1] == width else jax.lax.psum(y, axis)
+
+    args = (x_TxD, gate_ExDxF.astype(dtype), up_ExDxF.astype(dtype), down_ExFxD.astype(dtype),
+            plan.slot_R, plan.expert_N, plan.used)
+    if axis is None:
+        return rows(*args)
+    split = (None, None, "expert_mlp")
+    return partitioning.per_device(
+        rows, args, ((None, None), split, split, (None, "expert_mlp", None), (None,), (None,), ()),
+        (None, None))
+
+
+def _tile_mlp(gated: Callable, x_txD, gate_DxF, up_DxF, down_FxD) -> jax.Array:
+    return jnp.dot(gated(jnp.dot(x_txD, gate_DxF), jnp.dot(x_txD, up_DxF)), down_FxD)
+
+
+def _tile_rows(tiles: Overflow, x_TxD: jax.Array, n: jax.Array):
+    """Tile n's assignments, which of them are rows, their tokens, and those tokens' x."""
+    a_t = jax.lax.dynamic_slice_in_dim(tiles.slot_R, n * tiles.tile, tiles.tile)
+    used_t = a_t >= 0
+    token_t = jnp.maximum(a_t, 0) // tiles.k
+    return a_t, used_t, token_t, jnp.where(used_t[:, None], x_TxD[token_t], 0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _overflow_rows(gated: Callable, tiles: Overflow, x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD):
+    """[T·k, D]: each used tile's rows through its expert's MLP, at their assignments' rows.
+    The backward pass is the same loop (a custom VJP: JAX cannot reverse a loop whose trip
+    count is a value), each tile's MLP differentiated where it runs, its weights' gradients
+    added into its expert's."""
+    return _overflow_fwd(gated, tiles, x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD)[0]
+
+
+def _overflow_fwd(gated, tiles, x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD):
+    T, D = x_TxD.shape
+    A = T * tiles.k
+
+    def tile(n, y_AxD):
+        a_t, used_t, _, x_txD = _tile_rows(tiles, x_TxD, n)
+        e = tiles.expert_N[n]
+        y_txD = _tile_mlp(gated, x_txD, gate_ExDxF[e], up_ExDxF[e], down_ExFxD[e])
+        return y_AxD.at[jnp.where(used_t, a_t, A)].set(y_txD, mode="drop")
+
+    y_AxD = jax.lax.fori_loop(0, tiles.used, tile, jnp.zeros((A, D), x_TxD.dtype))
+    return y_AxD, (tiles, x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD)
+
+
+def _overflow_bwd(gated, residuals, dy_AxD):
+    tiles, x_TxD, *weights = residuals
+    T = x_TxD.shape[0]
+
+    def tile(n, grads):
+        dx_TxD, *dweights = grads
+        a_t, used_t, token_t, x_txD = _tile_rows(tiles, x_TxD, n)
+        e = tiles.expert_N[n]
+        dy_txD = jnp.where(used_t[:, None], dy_AxD[jnp.maximum(a_t, 0)], 0)
+        _, vjp = jax.vjp(functools.partial(_tile_mlp, gated), x_txD, *(w[e] for w in weights))
+        dx_txD, *dw = vjp(dy_txD)
+        dx_TxD = dx_TxD.at[jnp.where(used_t, token_t, T)].add(dx_txD, mode="drop")
+        return (dx_TxD, *(g.at[e].add(d) for g, d in zip(dweights, dw)))
+
+    zeros = (jnp.zeros_like(x_TxD), *(jnp.zeros_like(w) for w in weights))
+    dx_TxD, *dweights = jax.lax.fori_loop(0, tiles.used, tile, zeros)
+    return (None, dx_TxD, *dweights)
+
+
+_overflow_rows.defvjp(_overflow_fwd, _overflow_bwd)
 
 
 @dataclass(frozen=True)
@@ -329,15 +472,16 @@ def ragged(expert_of_A: jax.Array, k: int, experts: int,
 def chosen_matmul(model, tp: int) -> str:
     """model.moe_matmul, `auto` decided: our Pallas kernels on a GPU, where they are measured
     faster than `tiles` (docs/performance.md), if XLA can keep them whole (tp = 1) and Triton's
-    dots fit the widths (multiples of 16); `tiles` elsewhere. A choice that cannot run here is
-    refused by name (training and inference both lay their parameters out through this)."""
+    dots fit the widths (multiples of 16); `blocks` elsewhere (measured faster than `tiles` on
+    CPU). A choice that cannot run here is refused by name (training and inference both lay
+    their parameters out through this)."""
     if model.num_experts and model.moe_matmul == "tokamax":
         _check_tokamax_runs()
     if model.moe_matmul != "auto":
         return model.moe_matmul
     widths = (model.embed_dim, model.expert_hidden_dim)
     fits = tp == 1 and all(width % 16 == 0 for width in widths)
-    return "pallas" if backend.is_gpu() and fits else "tiles"
+    return "pallas" if backend.is_gpu() and fits else "blocks"
 
 
 # tokamax releases whose GPU kernels call what JAX 0.11 removed (bench/gpu_check.sh's
@@ -369,6 +513,8 @@ def _tokamax(expert_of_A: jax.Array, k: int, experts: int) -> Rows:
     return ragged(expert_of_A, k, experts, dot=grouped_matmul.tokamax_ragged_dot)
 
 
-# model.moe_matmul → (expert of each assignment, k, experts) → Rows.
-MATMULS = {"tiles": tiled, "ragged_dot": ragged, "tokamax": _tokamax,
+# model.moe_matmul → (expert of each assignment, k, experts) → Rows. `blocks` is `in_blocks`
+# where this device holds every expert and no capacity caps them; rows that travel to their
+# experts' devices (ep) go through the tiles there.
+MATMULS = {"blocks": tiled, "tiles": tiled, "ragged_dot": ragged, "tokamax": _tokamax,
            "pallas": functools.partial(tiled, kernel=True)}

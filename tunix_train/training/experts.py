@@ -30,7 +30,7 @@ def _check_kernel_on_tp(cfg: Config, tp: int) -> None:
         raise ConfigError(
             f"model.moe_matmul={kernels} with tp={tp} in model.mesh_shape: XLA cannot split "
             f"{kernels}'s kernels over tp and would gather the experts whole on every device; put "
-            f"those devices on fsdp or ep, or set model.moe_matmul=tiles.")
+            f"those devices on fsdp or ep, or set model.moe_matmul=blocks.")
 
 
 def _check_expert_parallelism(cfg: Config, shape: mesh_lib.MeshShape) -> None:
