@@ -86,8 +86,8 @@ def experts_mlp(x_TxD: jax.Array, routing: Routing, gate_ExDxF: jax.Array, up_Ex
     if blocks is not None:
         y_TxKxD = exchanged(x_TxD, expert_of_A, k, blocks, MATMULS[matmul], mlp, per_expert)
     elif per_expert is None and matmul == "blocks":
-        y_TxKxD = in_blocks(x_TxD, expert_of_A, k, num_experts, mlp,
-                            (gate_ExDxF, up_ExDxF, down_ExFxD), gated)
+        return in_blocks(x_TxD, routing, num_experts, mlp, (gate_ExDxF, up_ExDxF, down_ExFxD),
+                         gated)
     else:
         if per_expert is None:
             rows = MATMULS[matmul](expert_of_A, k, num_experts)
@@ -108,21 +108,23 @@ def _mlp(x_PxD: jax.Array, rows: Rows, gate_ExDxF: jax.Array, up_ExDxF: jax.Arra
     return project(h_PxF, down_ExFxD)
 
 
-def in_blocks(x_TxD: jax.Array, expert_of_A: jax.Array, k: int, experts: int, mlp: Callable,
+def in_blocks(x_TxD: jax.Array, routing: Routing, experts: int, mlp: Callable,
               weights: tuple[jax.Array, jax.Array, jax.Array], gated: Callable) -> jax.Array:
-    """Each token's k results [T, k, D], dropless: each expert's first C = ⌈T·k / E⌉ rows (its
-    mean share) in a block of its own, the whole MLP on them as one batched matmul per
+    """Σ over each token's k experts, dropless [T, D]: each expert's first C = ⌈T·k / E⌉ rows
+    (its mean share) in a block of its own, the whole MLP on them as one batched matmul per
     projection over the weights where they lie ([E, C, D] × [E, D, F], `capped`: no copy of a
     weight, no padding past the blocks), and the rows past an expert's C (the overflow) through
     `overflow`, a loop over only the tiles they fill. Where `tiled` computes the worst case's
     padding on every step (E · (tile - 1) rows, half the rows again at 128 rows an expert), this
     computes the blocks' T·k rows plus what routing left over."""
-    T = x_TxD.shape[0]
+    T, k = routing.experts_TxK.shape
+    expert_of_A = routing.experts_TxK.reshape(T * k)
     share = capacity(T * k, experts, 1.0)
     rows = capped(expert_of_A, k, experts, share)
     y_TxKxD = rows.to_tokens(mlp(rows.from_tokens(x_TxD), rows), T)
     plan = overflow_plan(expert_of_A, k, experts, share)
-    return y_TxKxD + overflow(x_TxD, plan, *weights, gated).reshape(T, k, -1)
+    return (jnp.einsum("tkd,tk->td", y_TxKxD, routing.weights_TxK)
+            + overflow(x_TxD, routing.weights_TxK.reshape(T * k), plan, *weights, gated))
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -143,8 +145,8 @@ class Overflow:
 
 def overflow_plan(expert_of_A: jax.Array, k: int, experts: int, share: int) -> Overflow:
     """Where the assignments past each expert's first `share` rows go: tiles of a quarter of
-    the share (8 at least; a half or an eighth measured no faster on CPU), each expert's rows
-    in tiles of their own."""
+    the share (8 at least; an eighth, a half or the whole share measured no faster on CPU), each
+    expert's rows in tiles of their own."""
     A = expert_of_A.shape[0]
     tile = max(8, share // 4)
     sizes_E, _, rank_A = _sorted(expert_of_A, experts)
@@ -161,84 +163,96 @@ def overflow_plan(expert_of_A: jax.Array, k: int, experts: int, share: int) -> O
     return Overflow(slot_R, expert_N, jnp.sum(tiles_E).astype(jnp.int32), k, tile)
 
 
-def overflow(x_TxD: jax.Array, plan: Overflow, gate_ExDxF: jax.Array, up_ExDxF: jax.Array,
-             down_ExFxD: jax.Array, gated: Callable) -> jax.Array:
-    """The overflow's results [T·k, D] (zero for the rows in blocks): a `lax.fori_loop` over
-    the used tiles, each tile's whole MLP on its rows gathered from the tokens, through the
-    weights of its expert as they lie (`_overflow_rows`). Where XLA splits the experts' width
-    over a mesh axis (tp), each device runs the loop on its share of it and the results are
-    summed once after the loop (`partitioning.per_device`): left to XLA, every tile's down
-    projection would be summed over tp inside the loop, a collective an iteration."""
+def overflow(x_TxD: jax.Array, weight_A: jax.Array, plan: Overflow, gate_ExDxF: jax.Array,
+             up_ExDxF: jax.Array, down_ExFxD: jax.Array, gated: Callable) -> jax.Array:
+    """The overflow's part of each token's output [T, D] (each of its rows' results times its
+    routing weight, summed): a `lax.fori_loop` over the used tiles, each tile's whole MLP on its
+    rows gathered from the tokens, through the weights of its expert as they lie
+    (`_overflow_rows`). Where XLA splits the experts' width over a mesh axis (tp), each device
+    runs the loop on its share of it and the results are summed once after the loop
+    (`partitioning.per_device`): left to XLA, every tile's down projection would be summed over
+    tp inside the loop, a collective an iteration."""
     dtype, width = x_TxD.dtype, gate_ExDxF.shape[-1]
     axis = partitioning.axis_of("expert_mlp")
 
-    def rows(x, gate, up, down, slot_R, expert_N, used):
+    def rows(x, weight, gate, up, down, slot_R, expert_N, used):
         tiles = Overflow(slot_R, expert_N, used, plan.k, plan.tile)
-        y = _overflow_rows(gated, tiles, x, gate, up, down)
+        y = _overflow_rows(gated, tiles, x, weight, gate, up, down)
         return y if gate.shape[-1] == width else jax.lax.psum(y, axis)
 
-    args = (x_TxD, gate_ExDxF.astype(dtype), up_ExDxF.astype(dtype), down_ExFxD.astype(dtype),
-            plan.slot_R, plan.expert_N, plan.used)
+    args = (x_TxD, weight_A.astype(dtype), gate_ExDxF.astype(dtype), up_ExDxF.astype(dtype),
+            down_ExFxD.astype(dtype), plan.slot_R, plan.expert_N, plan.used)
     if axis is None:
         return rows(*args)
     split = (None, None, "expert_mlp")
     return partitioning.per_device(
-        rows, args, ((None, None), split, split, (None, "expert_mlp", None), (None,), (None,), ()),
-        (None, None))
+        rows, args, ((None, None), (None,), split, split, (None, "expert_mlp", None), (None,),
+                     (None,), ()), (None, None))
 
 
-def _tile_mlp(gated: Callable, x_txD, gate_DxF, up_DxF, down_FxD) -> jax.Array:
-    return jnp.dot(gated(jnp.dot(x_txD, gate_DxF), jnp.dot(x_txD, up_DxF)), down_FxD)
+def _tile_mlp(gated: Callable, x_txD, weight_t, gate_DxF, up_DxF, down_FxD) -> jax.Array:
+    h_txF = gated(jnp.dot(x_txD, gate_DxF), jnp.dot(x_txD, up_DxF))
+    return weight_t[:, None] * jnp.dot(h_txF, down_FxD)
 
 
-def _tile_rows(tiles: Overflow, x_TxD: jax.Array, n: jax.Array):
-    """Tile n's assignments, which of them are rows, their tokens, and those tokens' x."""
+def _tile_rows(tiles: Overflow, x_TxD: jax.Array, weight_A: jax.Array, n: jax.Array):
+    """Tile n's assignments, which of them are rows, their tokens, x and routing weights."""
     a_t = jax.lax.dynamic_slice_in_dim(tiles.slot_R, n * tiles.tile, tiles.tile)
     used_t = a_t >= 0
-    token_t = jnp.maximum(a_t, 0) // tiles.k
-    return a_t, used_t, token_t, jnp.where(used_t[:, None], x_TxD[token_t], 0)
+    token_t = jnp.where(used_t, a_t // tiles.k, x_TxD.shape[0])  # past the end: dropped
+    x_txD = jnp.where(used_t[:, None], x_TxD[jnp.minimum(token_t, x_TxD.shape[0] - 1)], 0)
+    return a_t, token_t, x_txD, jnp.where(used_t, weight_A[jnp.maximum(a_t, 0)], 0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _overflow_rows(gated: Callable, tiles: Overflow, x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD):
-    """[T·k, D]: each used tile's rows through its expert's MLP, at their assignments' rows.
-    The backward pass is the same loop (a custom VJP: JAX cannot reverse a loop whose trip
-    count is a value), each tile's MLP differentiated where it runs, its weights' gradients
-    added into its expert's."""
-    return _overflow_fwd(gated, tiles, x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD)[0]
+def _overflow_rows(gated: Callable, tiles: Overflow, x_TxD, weight_A, gate_ExDxF, up_ExDxF,
+                   down_ExFxD):
+    """[T, D]: each used tile's rows through its expert's MLP, times their routing weights,
+    added to their tokens. The backward pass is the same loop (a custom VJP: JAX cannot reverse
+    a loop whose trip count is a value), each tile's MLP differentiated where it runs, its
+    weights' gradients added into its expert's. Nothing of the forward pass is kept for it, so
+    rematerialisation never runs the loop again."""
+    return _overflow_fwd(gated, tiles, x_TxD, weight_A, gate_ExDxF, up_ExDxF, down_ExFxD)[0]
 
 
-def _overflow_fwd(gated, tiles, x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD):
-    T, D = x_TxD.shape
-    A = T * tiles.k
-
-    def tile(n, y_AxD):
-        a_t, used_t, _, x_txD = _tile_rows(tiles, x_TxD, n)
+def _overflow_fwd(gated, tiles, x_TxD, weight_A, gate_ExDxF, up_ExDxF, down_ExFxD):
+    def tile(n, y_TxD):
+        _, token_t, x_txD, weight_t = _tile_rows(tiles, x_TxD, weight_A, n)
         e = tiles.expert_N[n]
-        y_txD = _tile_mlp(gated, x_txD, gate_ExDxF[e], up_ExDxF[e], down_ExFxD[e])
-        return y_AxD.at[jnp.where(used_t, a_t, A)].set(y_txD, mode="drop")
+        y_txD = _tile_mlp(gated, x_txD, weight_t, gate_ExDxF[e], up_ExDxF[e], down_ExFxD[e])
+        return y_TxD.at[token_t].add(y_txD, mode="drop")
 
-    y_AxD = jax.lax.fori_loop(0, tiles.used, tile, jnp.zeros((A, D), x_TxD.dtype))
-    return y_AxD, (tiles, x_TxD, gate_ExDxF, up_ExDxF, down_ExFxD)
+    y_TxD = jax.lax.fori_loop(0, tiles.used, tile, jnp.zeros_like(x_TxD))
+    return y_TxD, (tiles, x_TxD, weight_A, gate_ExDxF, up_ExDxF, down_ExFxD)
 
 
-def _overflow_bwd(gated, residuals, dy_AxD):
-    tiles, x_TxD, *weights = residuals
+def _overflow_bwd(gated, residuals, dy_TxD):
+    tiles, x_TxD, weight_A, *weights = residuals
     T = x_TxD.shape[0]
 
     def tile(n, grads):
-        dx_TxD, *dweights = grads
-        a_t, used_t, token_t, x_txD = _tile_rows(tiles, x_TxD, n)
+        dx_TxD, dweight_A, *dweights = grads
+        a_t, token_t, x_txD, weight_t = _tile_rows(tiles, x_TxD, weight_A, n)
         e = tiles.expert_N[n]
-        dy_txD = jnp.where(used_t[:, None], dy_AxD[jnp.maximum(a_t, 0)], 0)
-        _, vjp = jax.vjp(functools.partial(_tile_mlp, gated), x_txD, *(w[e] for w in weights))
-        dx_txD, *dw = vjp(dy_txD)
-        dx_TxD = dx_TxD.at[jnp.where(used_t, token_t, T)].add(dx_txD, mode="drop")
-        return (dx_TxD, *(g.at[e].add(d) for g, d in zip(dweights, dw)))
+        dy_txD = jnp.where((token_t < T)[:, None], dy_TxD[jnp.minimum(token_t, T - 1)], 0)
+        gate_DxF, up_DxF, down_FxD = (w[e] for w in weights)
+        h_txF, gated_vjp = jax.vjp(gated, jnp.dot(x_txD, gate_DxF), jnp.dot(x_txD, up_DxF))
+        # The routing weight's gradient from dh rather than from the down projection's output:
+        # <dy, h · down> = <h, dy · downᵀ>, so the forward's last matmul is not run again.
+        dh_txF = jnp.dot(dy_txD, down_FxD.T)
+        dweight_t = jnp.sum(h_txF * dh_txF, axis=-1)
+        dgate_txF, dup_txF = gated_vjp(weight_t[:, None] * dh_txF)
+        dx_txD = jnp.dot(dgate_txF, gate_DxF.T) + jnp.dot(dup_txF, up_DxF.T)
+        dw = (jnp.dot(x_txD.T, dgate_txF), jnp.dot(x_txD.T, dup_txF),
+              jnp.dot(h_txF.T, weight_t[:, None] * dy_txD))
+        dx_TxD = dx_TxD.at[token_t].add(dx_txD, mode="drop")
+        dweight_A = dweight_A.at[jnp.where(a_t >= 0, a_t, weight_A.shape[0])].set(
+            dweight_t, mode="drop")
+        return (dx_TxD, dweight_A, *(g.at[e].add(d) for g, d in zip(dweights, dw)))
 
-    zeros = (jnp.zeros_like(x_TxD), *(jnp.zeros_like(w) for w in weights))
-    dx_TxD, *dweights = jax.lax.fori_loop(0, tiles.used, tile, zeros)
-    return (None, dx_TxD, *dweights)
+    zeros = (jnp.zeros_like(x_TxD), jnp.zeros_like(weight_A), *map(jnp.zeros_like, weights))
+    grads = jax.lax.fori_loop(0, tiles.used, tile, zeros)
+    return (None, *grads)
 
 
 _overflow_rows.defvjp(_overflow_fwd, _overflow_bwd)
