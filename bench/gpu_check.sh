@@ -119,10 +119,13 @@ together train family-gemma3 model=gemma3_1b model.num_layers=2 "${seq2k[@]}"
 together train family-llama3 model=llama3_2_1b model.num_layers=2 "${seq2k[@]}"
 together train family-qwen3 model=qwen3_0_6b model.num_layers=2 "${seq2k[@]}"
 # The mixtures of experts at their published widths with fewer experts (so that 4 checks share
-# the GPU): dropless tiles (the default), jax.lax.ragged_dot, tokamax's kernels, our own Pallas
-# grouped matmul, a capacity factor.
+# the GPU): dropless through the default (our Pallas kernels on one GPU), the blocks (the
+# default where tp splits the experts; its overflow loop has a trip count read on the device),
+# the tiles, jax.lax.ragged_dot, tokamax's kernels, our own Pallas grouped matmul, a capacity.
 moe=(model=qwen3_30b_a3b model.num_layers=2 model.num_experts=16 "${seq2k[@]}")
 together train family-qwen3_moe "${moe[@]}"
+together train moe-blocks "${moe[@]}" model.moe_matmul=blocks
+together train moe-tiles "${moe[@]}" model.moe_matmul=tiles
 together train moe-ragged_dot "${moe[@]}" model.moe_matmul=ragged_dot
 together train moe-capacity "${moe[@]}" model.moe_capacity_factor=1.25
 # tokamax's Pallas kernels; a release whose kernels cannot run on this jax is refused by name
