@@ -1,5 +1,6 @@
-"""The experts' grouped matmul alone, each `model.moe_matmul` layout against one dense matmul of
-the same useful FLOPs, in one run:
+"""The experts' grouped matmul alone, each `model.moe_matmul` layout of one projection against
+one dense matmul of the same useful FLOPs, in one run (`blocks`, whose overflow loop runs a
+tile's whole MLP at once, is timed in the train step: bench/moe.py):
 
     python bench/grouped_matmul.py                       # Qwen3-30B-A3B's experts, 16,384 tokens
     python bench/grouped_matmul.py --tokens 512 --experts 8 --dim 256 --hidden 128   # a CPU
