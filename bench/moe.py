@@ -21,8 +21,8 @@ The widths (d = 256, F = 512 by default) and what is timed can be changed:
         XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/moe.py
 
 (heads of 64: d / 64 heads, half as many key-value heads; `MOE_VARIANTS` names the MoE runs,
-comma-separated, of `blocks`, `tiles` and `ragged_dot`; on the ep mesh, where the rows travel
-and go through the tiles whatever the variant, the bounded blocks are timed too.)
+comma-separated, of `blocks`, `tiles` and `ragged_dot`; on the ep mesh the exchange's blocks
+bounded at twice a shard's mean share are timed too.)
 
 So can the batch, `MOE_SEQUENCES` sequences of 256 tokens a step (8 by default; a multiple of
 the meshes' data-parallel ranks: 1, 4 and 8), and the meshes timed, `MOE_MESHES`
@@ -87,7 +87,7 @@ ALL_VARIANTS = {"blocks": [], "tiles": ["model.moe_matmul=tiles"],
                 "ragged_dot": ["model.moe_matmul=ragged_dot"]}
 VARIANTS = {name: ALL_VARIANTS.get(name) for name in
             os.environ.get("MOE_VARIANTS", ",".join(ALL_VARIANTS)).split(",")}
-EP_VARIANTS = {"tiles_blocks_2x": ["model.moe_ep_buffer_factor=2"]}
+EP_VARIANTS = {"blocks_2x": ["model.moe_ep_buffer_factor=2"]}
 
 
 def _check_knobs() -> None:
@@ -120,10 +120,7 @@ def main(overrides: list[str]) -> dict:
     rows = []
     for name, mesh, dense_mesh, devices, ranks in MESHES.values():
         micro = [f"training.micro_batch_size={SEQUENCES // ranks}"]
-        ep = '"ep"' in mesh  # the rows travel and go through the tiles: blocks are tiles there
-        variants = {**{v: extra for v, extra in VARIANTS.items()
-                       if not (ep and v == "tiles" and "blocks" in VARIANTS)},
-                    **(EP_VARIANTS if ep else {})}
+        variants = {**VARIANTS, **(EP_VARIANTS if '"ep"' in mesh else {})}
         runs = {"dense": train_stepper([*DENSE, *SHARED, *overrides, dense_mesh, *micro],
                                        devices)[1]}
         for variant, extra in variants.items():

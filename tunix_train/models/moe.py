@@ -73,8 +73,9 @@ def experts_mlp(x_TxD: jax.Array, routing: Routing, gate_ExDxF: jax.Array, up_Ex
     named as a dense layer's are (`PROJECTION`), so `training.remat=save_dots` keeps them for
     the backward pass rather than multiplying again. Given fewer experts than the router
     scores (this device's shard of them, expert parallelism), the rows travel (`exchanged`,
-    in `blocks` bounded by `buffer_factor`) and are laid out as `matmul` says (`blocks`: by
-    the tiles). Dropless with every expert here, `matmul=blocks` is `in_blocks`."""
+    in `blocks` bounded by `buffer_factor`) and are laid out as `matmul` says. Dropless,
+    `matmul=blocks` is `in_blocks`, on the received rows too (with a capacity: `capped`, or the
+    tiles for the rows that travel)."""
     T, k = routing.experts_TxK.shape
     num_experts, held = routing.probs_TxE.shape[1], gate_ExDxF.shape[0]
     expert_of_A = routing.experts_TxK.reshape(T * k)  # A = T·k assignments, token-major
@@ -83,11 +84,19 @@ def experts_mlp(x_TxD: jax.Array, routing: Routing, gate_ExDxF: jax.Array, up_Ex
     per_expert = None if capacity_factor is None else capacity(T * k, num_experts,
                                                                capacity_factor)
     blocks = blocks_for(T, k, num_experts, held, capacity_factor, buffer_factor)
+    weights = (gate_ExDxF, up_ExDxF, down_ExFxD)
     if blocks is not None:
-        y_TxKxD = exchanged(x_TxD, expert_of_A, k, blocks, MATMULS[matmul], mlp, per_expert)
+        if per_expert is None and matmul == "blocks":
+            # About T·k rows arrive on average, whatever the blocks' worst case holds.
+            experts_on = functools.partial(_received_in_blocks, share=capacity(T * k, held, 1.0),
+                                           mlp=mlp, weights=weights, gated=gated)
+        else:
+            experts_on = functools.partial(_received_as, arrange=MATMULS[matmul], held=held,
+                                           mlp=mlp)
+        y_TxKxD = exchanged(x_TxD, expert_of_A, k, blocks, experts_on, per_expert)
     elif per_expert is None and matmul == "blocks":
-        return in_blocks(x_TxD, routing, num_experts, mlp, (gate_ExDxF, up_ExDxF, down_ExFxD),
-                         gated)
+        return in_blocks(x_TxD, routing.experts_TxK, routing.weights_TxK, num_experts,
+                         capacity(T * k, num_experts, 1.0), mlp, weights, gated)
     else:
         if per_expert is None:
             rows = MATMULS[matmul](expert_of_A, k, num_experts)
@@ -108,23 +117,40 @@ def _mlp(x_PxD: jax.Array, rows: Rows, gate_ExDxF: jax.Array, up_ExDxF: jax.Arra
     return project(h_PxF, down_ExFxD)
 
 
-def in_blocks(x_TxD: jax.Array, routing: Routing, experts: int, mlp: Callable,
-              weights: tuple[jax.Array, jax.Array, jax.Array], gated: Callable) -> jax.Array:
-    """Σ over each token's k experts, dropless [T, D]: each expert's first C = ⌈T·k / E⌉ rows
-    (its mean share) in a block of its own, the whole MLP on them as one batched matmul per
-    projection over the weights where they lie ([E, C, D] × [E, D, F], `capped`: no copy of a
-    weight, no padding past the blocks), and the rows past an expert's C (the overflow) through
-    `overflow`, a loop over only the tiles they fill. Where `tiled` computes the worst case's
-    padding on every step (E · (tile - 1) rows, half the rows again at 128 rows an expert), this
-    computes the blocks' T·k rows plus what routing left over."""
-    T, k = routing.experts_TxK.shape
-    expert_of_A = routing.experts_TxK.reshape(T * k)
-    share = capacity(T * k, experts, 1.0)
+def in_blocks(x_TxD: jax.Array, experts_TxK: jax.Array, weights_TxK: jax.Array, experts: int,
+              share: int, mlp: Callable, weights: tuple[jax.Array, jax.Array, jax.Array],
+              gated: Callable) -> jax.Array:
+    """Σ over each token's k experts (-1: none), weighted, dropless [T, D]: each expert's first
+    C = `share` rows (its mean share, ⌈T·k / E⌉) in a block of its own, the whole MLP on them
+    as one batched matmul per projection over the weights where they lie ([E, C, D] × [E, D,
+    F], `capped`: no copy of a weight, no padding past the blocks), and the rows past an
+    expert's C (the overflow) through `overflow`, a loop over only the tiles they fill. Where
+    `tiled` computes the worst case's padding on every step (E · (tile - 1) rows, half the rows
+    again at 128 rows an expert), this computes the blocks' rows plus what routing left over."""
+    T, k = experts_TxK.shape
+    expert_of_A = experts_TxK.reshape(T * k)
     rows = capped(expert_of_A, k, experts, share)
     y_TxKxD = rows.to_tokens(mlp(rows.from_tokens(x_TxD), rows), T)
     plan = overflow_plan(expert_of_A, k, experts, share)
-    return (jnp.einsum("tkd,tk->td", y_TxKxD, routing.weights_TxK)
-            + overflow(x_TxD, routing.weights_TxK.reshape(T * k), plan, *weights, gated))
+    return (jnp.einsum("tkd,tk->td", y_TxKxD, weights_TxK)
+            + overflow(x_TxD, weights_TxK.reshape(T * k), plan, *weights, gated))
+
+
+def _received_in_blocks(x_QxD: jax.Array, expert_Q: jax.Array, share: int, mlp: Callable,
+                        weights: tuple, gated: Callable) -> jax.Array:
+    """An ep device's received rows through `in_blocks` (each row its own token, weight 1),
+    the blocks sized by the rows that arrive on average, not by the exchange's worst case."""
+    ones_Qx1 = jnp.ones((x_QxD.shape[0], 1), x_QxD.dtype)
+    return in_blocks(x_QxD, expert_Q[:, None], ones_Qx1, weights[0].shape[0], share, mlp,
+                     weights, gated)
+
+
+def _received_as(x_QxD: jax.Array, expert_Q: jax.Array, arrange: Callable[..., Rows],
+                 held: int, mlp: Callable) -> jax.Array:
+    """An ep device's received rows laid out by `arrange` (one of `MATMULS`)."""
+    rows = arrange(expert_Q, 1, held)
+    return rows.to_tokens(mlp(rows.from_tokens(x_QxD), rows), x_QxD.shape[0]).reshape(
+        x_QxD.shape)
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -296,16 +322,17 @@ def plan_blocks(tokens: int, k: int, held: int, shards: int, per_expert: int | N
 
 
 def exchanged(x_TxD: jax.Array, expert_of_A: jax.Array, k: int, blocks: Blocks,
-              arrange: Callable[..., Rows], mlp: Callable[[jax.Array, Rows], jax.Array],
+              experts_on: Callable[[jax.Array, jax.Array], jax.Array],
               per_expert: int | None = None) -> jax.Array:
     """Each token's k results [T, k, D] where the experts are split over devices, this device
     holding one shard of them (expert parallelism): the assignments are grouped by shard into
     a block of C rows per shard (`plan_blocks`), the blocks exchanged (models/params.py's
     `exchange`: an all-to-all), each device runs its experts' MLP on the rows it received
-    (laid out by `arrange`, one of `MATMULS`), and the results travel back the same way. A
-    block's unused rows are padding, which no expert takes. With a capacity (`per_expert` rows
-    of these T tokens per expert, as `capped` keeps them), the rows past it are dropped before
-    they travel; so are the rows past a block's C (only where `plan_blocks` bounds it)."""
+    (`experts_on(x_QxD, expert_Q)`: each row its own token, of one of this device's experts, -1
+    for padding), and the results travel back the same way. A block's unused rows are padding,
+    which no expert takes. With a capacity (`per_expert` rows of these T tokens per expert, as
+    `capped` keeps them), the rows past it are dropped before they travel; so are the rows past
+    a block's C (only where `plan_blocks` bounds it)."""
     T, D = x_TxD.shape
     held, shards, C = blocks.held, blocks.shards, blocks.rows
     shard_of_A = expert_of_A // held
@@ -320,8 +347,7 @@ def exchanged(x_TxD: jax.Array, expert_of_A: jax.Array, k: int, blocks: Blocks,
         expert_of_A % held, mode="drop")
     x_QxD = model_params.exchange(sent.from_tokens(x_TxD).reshape(shards, C, D)).reshape(-1, D)
     expert_Q = model_params.exchange(expert_Q.reshape(shards, C)).reshape(-1)
-    rows = arrange(expert_Q, 1, held)  # each received row its own token, of one expert
-    y_QxD = rows.to_tokens(mlp(rows.from_tokens(x_QxD), rows), shards * C).reshape(-1, D)
+    y_QxD = experts_on(x_QxD, expert_Q)
     return sent.to_tokens(model_params.exchange(y_QxD.reshape(shards, C, D)).reshape(-1, D), T)
 
 
@@ -528,7 +554,7 @@ def _tokamax(expert_of_A: jax.Array, k: int, experts: int) -> Rows:
 
 
 # model.moe_matmul → (expert of each assignment, k, experts) → Rows. `blocks` is `in_blocks`
-# where this device holds every expert and no capacity caps them; rows that travel to their
-# experts' devices (ep) go through the tiles there.
+# where no capacity caps the experts; with one, rows that travel to their experts' devices (ep)
+# go through the tiles there.
 MATMULS = {"blocks": tiled, "tiles": tiled, "ragged_dot": ragged, "tokamax": _tokamax,
            "pallas": functools.partial(tiled, kernel=True)}
