@@ -223,6 +223,43 @@ def test_blocks_overflow_loop_gives_the_dense_values_and_gradients(spread):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
+def test_an_ep_devices_received_rows_through_blocks_equal_the_tiles():
+    """On an ep device the received rows (padding among them, expert -1) go through the blocks
+    sized by the rows that arrive on average, not by the exchange's worst-case buffer; most of
+    them past their expert's share here, so the loop holds them: values and gradients equal
+    the tiles'."""
+    import functools
+
+    _, _, (_, gate, up, down), _ = hf_block("qwen3_moe")
+    held, received, share = 4, 96, 8
+    rng = np.random.default_rng(9)
+    expert_Q = jnp.asarray(np.where(rng.uniform(size=received) < 0.4, -1,
+                                     rng.choice(held, received, p=[0.55, 0.3, 0.1, 0.05])),
+                           jnp.int32)
+    x = jnp.asarray(rng.normal(size=(received, D)).astype(np.float32))
+    x = jnp.where((expert_Q >= 0)[:, None], x, 0)  # padding rows arrive as zeros
+    probe = jnp.asarray(rng.normal(size=(received, D)).astype(np.float32))
+    weights = (gate[:held], up[:held], down[:held])
+
+    def through(kind, x, weights):
+        mlp = functools.partial(moe._mlp, gate_ExDxF=weights[0], up_ExDxF=weights[1],
+                                down_ExFxD=weights[2], gated=GATED["silu"])
+        if kind == "blocks":
+            y = moe._received_in_blocks(x, expert_Q, share, mlp, weights, GATED["silu"])
+        else:
+            y = moe._received_as(x, expert_Q, moe.tiled, held, mlp)
+        return jnp.sum(y * probe)
+
+    plan = moe.overflow_plan(expert_Q, 1, held, share)
+    assert int(plan.used) > 3  # the first expert's rows are several tiles past its block
+    ours = jax.jit(jax.value_and_grad(functools.partial(through, "blocks"), argnums=(0, 1)))(
+        x, weights)
+    tiles = jax.jit(jax.value_and_grad(functools.partial(through, "tiles"), argnums=(0, 1)))(
+        x, weights)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(tiles)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
 def _collectives_in_loops(program: str) -> list[str]:
     """The collectives a while loop's body runs (or anything it calls), in compiled HLO text."""
     from tunix_train.analysis import hlo
