@@ -33,6 +33,7 @@ from jax.ad_checkpoint import checkpoint_name
 from tunix_train import backend, validation
 from tunix_train.config import ConfigError
 from tunix_train.models import params as model_params
+from tunix_train.models import partitioning
 from tunix_train.models.moe_overflow import Overflow, overflow
 from tunix_train.models.layers import PROJECTION
 
@@ -90,14 +91,14 @@ def experts_mlp(x_TxD: jax.Array, routing: Routing, gate_ExDxF: jax.Array, up_Ex
         if per_expert is None and matmul == "blocks":
             # About T·k rows arrive on average, whatever the blocks' worst case holds.
             experts_on = functools.partial(_received_in_blocks, share=capacity(T * k, held, 1.0),
-                                           mlp=mlp, weights=weights, gated=gated)
+                                           weights=weights, gated=gated)
         else:
             experts_on = functools.partial(_received_as, arrange=MATMULS[matmul], held=held,
                                            mlp=mlp)
         y_TxKxD = exchanged(x_TxD, expert_of_A, k, blocks, experts_on, per_expert)
     elif per_expert is None and matmul == "blocks":
         return in_blocks(x_TxD, routing.experts_TxK, routing.weights_TxK, num_experts,
-                         capacity(T * k, num_experts, 1.0), mlp, weights, gated)
+                         capacity(T * k, num_experts, 1.0), weights, gated)
     else:
         if per_expert is None:
             rows = MATMULS[matmul](expert_of_A, k, num_experts)
@@ -119,7 +120,7 @@ def _mlp(x_PxD: jax.Array, rows: Rows, gate_ExDxF: jax.Array, up_ExDxF: jax.Arra
 
 
 def in_blocks(x_TxD: jax.Array, experts_TxK: jax.Array, weights_TxK: jax.Array, experts: int,
-              share: int, mlp: Callable, weights: tuple[jax.Array, jax.Array, jax.Array],
+              share: int, weights: tuple[jax.Array, jax.Array, jax.Array],
               gated: Callable) -> jax.Array:
     """Σ over each token's k experts (-1: none), weighted, dropless [T, D]: each expert's first
     C = `share` rows (its mean share, ⌈T·k / E⌉) in a block of its own, the whole MLP on them
@@ -127,23 +128,45 @@ def in_blocks(x_TxD: jax.Array, experts_TxK: jax.Array, weights_TxK: jax.Array, 
     F], `capped`: no copy of a weight, no padding past the blocks), and the rows past an
     expert's C (the overflow) through `overflow`, a loop over only the tiles they fill. Where
     `tiled` computes the worst case's padding on every step (E · (tile - 1) rows, half the rows
-    again at 128 rows an expert), this computes the blocks' rows plus what routing left over."""
+    again at 128 rows an expert), this computes the blocks' rows plus what routing left over.
+
+    Where XLA splits the experts' width over a mesh axis (tp), each device runs all of it on
+    its share of every expert's width and the tokens' partial sums [T, D] are added once at the
+    end (`partitioning.per_device`), as a dense MLP's are: left to XLA, the blocks' rows [T·k,
+    D] were summed before they reached their tokens, the overflow's apart, and every tile's
+    inside the loop (a collective an iteration)."""
+    width, axis = weights[0].shape[-1], partitioning.axis_of("expert_mlp")
+
+    def here(x_TxD, experts_TxK, weights_TxK, *weights):
+        y_TxD = _in_blocks_here(x_TxD, experts_TxK, weights_TxK, experts, share, weights, gated)
+        return y_TxD if weights[0].shape[-1] == width else jax.lax.psum(y_TxD, axis)
+
+    args = (x_TxD, experts_TxK, weights_TxK, *weights)
+    if axis is None:
+        return here(*args)
+    split = (None, None, "expert_mlp")
+    return partitioning.per_device(here, args, ((None, None),) * 3 + (
+        split, split, (None, "expert_mlp", None)), (None, None))
+
+
+def _in_blocks_here(x_TxD, experts_TxK, weights_TxK, experts, share, weights, gated):
+    """`in_blocks` on one device's weights as they are (whole, or its share of the width)."""
     T, k = experts_TxK.shape
     expert_of_A = experts_TxK.reshape(T * k)
     rows = capped(expert_of_A, k, experts, share)
-    y_TxKxD = rows.to_tokens(mlp(rows.from_tokens(x_TxD), rows), T)
+    y_TxKxD = rows.to_tokens(_mlp(rows.from_tokens(x_TxD), rows, *weights, gated), T)
     plan = overflow_plan(expert_of_A, k, experts, share)
     return (jnp.einsum("tkd,tk->td", y_TxKxD, weights_TxK)
             + overflow(x_TxD, weights_TxK.reshape(T * k), plan, *weights, gated))
 
 
-def _received_in_blocks(x_QxD: jax.Array, expert_Q: jax.Array, share: int, mlp: Callable,
-                        weights: tuple, gated: Callable) -> jax.Array:
+def _received_in_blocks(x_QxD: jax.Array, expert_Q: jax.Array, share: int, weights: tuple,
+                        gated: Callable) -> jax.Array:
     """An ep device's received rows through `in_blocks` (each row its own token, weight 1),
     the blocks sized by the rows that arrive on average, not by the exchange's worst case."""
     ones_Qx1 = jnp.ones((x_QxD.shape[0], 1), x_QxD.dtype)
-    return in_blocks(x_QxD, expert_Q[:, None], ones_Qx1, weights[0].shape[0], share, mlp,
-                     weights, gated)
+    return in_blocks(x_QxD, expert_Q[:, None], ones_Qx1, weights[0].shape[0], share, weights,
+                     gated)
 
 
 def _received_as(x_QxD: jax.Array, expert_Q: jax.Array, arrange: Callable[..., Rows],

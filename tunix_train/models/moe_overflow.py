@@ -15,8 +15,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from tunix_train.models import partitioning
-
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["slot_R", "expert_N", "used"], meta_fields=["k", "tile"])
@@ -39,26 +37,12 @@ def overflow(x_TxD: jax.Array, weight_A: jax.Array, plan: Overflow, gate_ExDxF: 
     """The overflow's part of each token's output [T, D] (each of its rows' results times its
     routing weight, summed): a `lax.fori_loop` over the used tiles, each tile's whole MLP on its
     rows gathered from the tokens, through the weights of its expert as they lie
-    (`_overflow_rows`). Where XLA splits the experts' width over a mesh axis (tp), each device
-    runs the loop on its share of it and the results are summed once after the loop
-    (`partitioning.per_device`): left to XLA, every tile's down projection would be summed over
-    tp inside the loop, a collective an iteration."""
-    dtype, width = x_TxD.dtype, gate_ExDxF.shape[-1]
-    axis = partitioning.axis_of("expert_mlp")
-
-    def rows(x, weight, gate, up, down, slot_R, expert_N, used):
-        tiles = Overflow(slot_R, expert_N, used, plan.k, plan.tile)
-        y = _overflow_rows(gated, tiles, x, weight, gate, up, down)
-        return y if gate.shape[-1] == width else jax.lax.psum(y, axis)
-
-    args = (x_TxD, weight_A.astype(dtype), gate_ExDxF.astype(dtype), up_ExDxF.astype(dtype),
-            down_ExFxD.astype(dtype), plan.slot_R, plan.expert_N, plan.used)
-    if axis is None:
-        return rows(*args)
-    split = (None, None, "expert_mlp")
-    return partitioning.per_device(
-        rows, args, ((None, None), (None,), split, split, (None, "expert_mlp", None), (None,),
-                     (None,), ()), (None, None))
+    (`_overflow_rows`). Run on a device's share of the experts' width (tp), the result is that
+    share's partial sum, for the caller to add up once after the loop (`moe.in_blocks`): no
+    collective inside the loop."""
+    dtype = x_TxD.dtype
+    return _overflow_rows(gated, plan, x_TxD, weight_A.astype(dtype), gate_ExDxF.astype(dtype),
+                          up_ExDxF.astype(dtype), down_ExFxD.astype(dtype))
 
 
 def _tile_mlp(gated: Callable, x_txD, weight_t, gate_DxF, up_DxF, down_FxD) -> jax.Array:
