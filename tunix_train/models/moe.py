@@ -141,9 +141,13 @@ def in_blocks(x_TxD: jax.Array, experts_TxK: jax.Array, weights_TxK: jax.Array, 
         y_TxD = _in_blocks_here(x_TxD, experts_TxK, weights_TxK, experts, share, weights, gated)
         return y_TxD if weights[0].shape[-1] == width else jax.lax.psum(y_TxD, axis)
 
-    args = (x_TxD, experts_TxK, weights_TxK, *weights)
     if axis is None:
-        return here(*args)
+        return here(x_TxD, experts_TxK, weights_TxK, *weights)
+    # The tokens' side whole on every device before the shard_map takes it so: inside ep's
+    # shard_map, left to reshard the received rows itself, XLA's partitioner aborts (0.10).
+    tokens = tuple(partitioning.constrain(a, (None,) * a.ndim)
+                   for a in (x_TxD, experts_TxK, weights_TxK))
+    args = (*tokens, *weights)
     split = (None, None, "expert_mlp")
     return partitioning.per_device(here, args, ((None, None),) * 3 + (
         split, split, (None, "expert_mlp", None)), (None, None))
