@@ -38,7 +38,7 @@ from tunix_train import backend
 # block at a time whatever the width (Triton loads only power-of-two shapes).
 COLUMNS, CHUNK, ACCUMULATOR = 128, 64, 16384
 STAGES = 3  # Triton's software pipelining of the contraction's loop
-# Rows per tile at most (models/moe.py `tiled`): on an H100, Qwen3-30B-A3B's experts (16,384
+# Rows per tile at most (models/moe_rows.py `tiled`): on an H100, Qwen3-30B-A3B's experts (16,384
 # tokens) ran forward at 0.38x a dense matmul's speed in tiles of 64 rows, 0.36x of 128 and
 # 0.18x of 256 (docs/performance.md).
 TILE_ROWS = 64
