@@ -13,7 +13,11 @@ experts and back, and the grouped matmul's own waste. Three grouped matmuls are 
 `blocks` (the default: each expert's mean share in place, the rest by a loop over the tiles it
 fills), `model.moe_matmul=tiles` (every expert's rows padded to tiles: at most half the rows
 again) and `model.moe_matmul=ragged_dot` (jax.lax.ragged_dot, which XLA's CPU compiler turns
-into every row times every expert). The last line is JSON.
+into every row times every expert). A fourth run, `balanced`, is the blocks with
+`model.moe_force_load_balance=true`: random router logits in the forward pass, so each expert
+takes its mean share up to sampling noise, as under a router trained to balance (Megatron-Core
+and torchtitan time MoE steps so); the others route by the router at init, whose choices on
+this random batch are uneven (a sequence's tokens lean the same way). The last line is JSON.
 
 The widths (d = 256, F = 512 by default) and what is timed can be changed:
 
@@ -21,7 +25,7 @@ The widths (d = 256, F = 512 by default) and what is timed can be changed:
         XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/moe.py
 
 (heads of 64: d / 64 heads, half as many key-value heads; `MOE_VARIANTS` names the MoE runs,
-comma-separated, of `blocks`, `tiles` and `ragged_dot`; on the ep mesh the exchange's blocks
+comma-separated, of `blocks`, `balanced`, `tiles` and `ragged_dot`; on the ep mesh the exchange's blocks
 bounded at twice a shard's mean share are timed too.)
 
 So can the batch, `MOE_SEQUENCES` sequences of 256 tokens a step (8 by default; a multiple of
@@ -80,10 +84,12 @@ ALL_MESHES = {"1": ("1 device", ONE_DEVICE, ONE_DEVICE, 1, 1),
                             'model.mesh_shape=[[8,1],["fsdp","tp"]]', 8, 8)}
 MESHES = {name: ALL_MESHES.get(name) for name in
           os.environ.get("MOE_MESHES", ",".join(ALL_MESHES)).split(",")}
-# The MoE runs timed against the dense one: the default (blocks), the tiles, ragged_dot, and on
+# The MoE runs timed against the dense one: the default (blocks), the blocks with routing forced
+# balanced, the tiles, ragged_dot, and on
 # an ep mesh the exchange's blocks bounded at twice a shard's mean share (dropless blocks: the
 # worst case).
-ALL_VARIANTS = {"blocks": [], "tiles": ["model.moe_matmul=tiles"],
+ALL_VARIANTS = {"blocks": [], "balanced": ["model.moe_force_load_balance=true"],
+                "tiles": ["model.moe_matmul=tiles"],
                 "ragged_dot": ["model.moe_matmul=ragged_dot"]}
 VARIANTS = {name: ALL_VARIANTS.get(name) for name in
             os.environ.get("MOE_VARIANTS", ",".join(ALL_VARIANTS)).split(",")}

@@ -23,7 +23,7 @@ from helpers import (compose_config, family_tiny, jitted_forward, mesh_arg, mesh
 from tunix_train import cli
 from tunix_train.config import ConfigError
 from tunix_train.models import hf_weights, moe, router_losses
-from tunix_train.models.decoder import REMAT_POLICIES
+from tunix_train.models.decoder import REMAT_POLICIES, Experts
 from tunix_train.models.layers import GATED
 from tunix_train.training.setup import Setup
 from tunix_train.training.train_step import loss_sums
@@ -496,6 +496,52 @@ def test_expert_lora_targets_are_refused_by_name():
     with pytest.raises(ConfigError, match=r"lora.targets=\['q', 'gate'\]: qwen3_moe_tiny is a "
                                           r"mixture of experts"):
         validation.validate(cfg)
+
+
+def test_forced_balance_routes_by_noise_and_passes_the_routers_gradient_straight_through():
+    """model.moe_force_load_balance (benchmarks): a router that sends every token to the same
+    two experts routes, forced, each expert within 5 σ of its mean share (binomial), whatever
+    the router; the router's gradient is x^T times the loss's gradient at the logits it routed
+    by (a reference of the routing's formulas on those logits); and the layer takes the key."""
+    tokens = 2048
+    x_TxD = jax.random.normal(jax.random.key(1), (tokens, D)) + 3.0
+    router_DxE = jnp.zeros((D, E)).at[:, :2].set(1.0)
+    real = moe.route(x_TxD, router_DxE, K, True)
+    assert np.bincount(np.asarray(real.experts_TxK).ravel(), minlength=E)[2:].sum() == 0
+    forced = moe.route(x_TxD, router_DxE, K, True, force_balance=True)
+    loads = np.bincount(np.asarray(forced.experts_TxK).ravel(), minlength=E)
+    mean = tokens * K / E
+    assert np.all(np.abs(loads - mean) < 5 * math.sqrt(mean * (1 - 1 / E))), loads
+    other = moe.route(x_TxD, -router_DxE, K, True, force_balance=True)
+    np.testing.assert_array_equal(other.experts_TxK, forced.experts_TxK)
+    np.testing.assert_array_equal(other.weights_TxK, forced.weights_TxK)
+
+    c = [jax.random.normal(jax.random.key(i), shape) for i, shape in
+         enumerate([(tokens, K), (tokens, E), (tokens,)], start=2)]
+
+    def loss(weights_TxK, probs_TxE, logsumexp_T):
+        return (jnp.sum(weights_TxK * c[0]) + jnp.sum(probs_TxE * c[1])
+                + jnp.sum(logsumexp_T * c[2]))
+
+    def reference(logits_TxE):  # route's formulas from the logits on
+        probs_TxE = jax.nn.softmax(logits_TxE, axis=-1)
+        weights_TxK = jax.lax.top_k(probs_TxE, K)[0]
+        weights_TxK = weights_TxK / jnp.sum(weights_TxK, axis=-1, keepdims=True)
+        return loss(weights_TxK, probs_TxE, jax.nn.logsumexp(logits_TxE, axis=-1))
+
+    routed_by_TxE = jnp.log(forced.probs_TxE) + forced.logsumexp_T[:, None]
+    expected = x_TxD.T @ jax.grad(reference)(routed_by_TxE)
+    got = jax.grad(lambda r: loss(*(lambda f: (f.weights_TxK, f.probs_TxE, f.logsumexp_T))(
+        moe.route(x_TxD, r, K, True, force_balance=True))))(router_DxE)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * float(jnp.abs(expected).max()))
+
+    cfg = compose_config(*family_tiny("qwen3_moe", "model.moe_force_load_balance=true",
+                                      "model.moe_matmul=blocks"))
+    layer = Experts(cfg.model, nnx.Rngs(0), "silu")
+    x_BxLxD = jax.random.normal(jax.random.key(5), (2, 16, cfg.model.embed_dim))
+    y_before = layer(x_BxLxD)[0]
+    layer.router[...] = -layer.router[...]
+    np.testing.assert_array_equal(layer(x_BxLxD)[0], y_before)
 
 
 def test_a_step_logs_the_fraction_its_capacity_dropped():

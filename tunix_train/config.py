@@ -63,6 +63,8 @@ class ModelConfig:
     moe_ep_buffer_factor: Optional[float] = None  # None = dropless over ep (blocks sized for the
     # worst case); else each device sends each ep shard at most factor x its mean share of rows,
     # the rest dropped (logged in moe_dropped_fraction)
+    moe_force_load_balance: bool = False  # benchmarks only: pseudo-random router logits in the
+    # forward pass (gradients straight through to the router's): each expert its mean share
     attention_impl: str = "auto"  # auto (cudnn on GPUs where it applies, else blockwise) | blockwise | cudnn | pallas | xla
     cp_exchange: str = "all_gather"  # how keys and values cross the cp axis: all_gather | ring
     unroll_layers: bool = False  # unroll the scans over layers: faster steps on CPU (1.4x on

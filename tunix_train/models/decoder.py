@@ -87,11 +87,13 @@ class Experts(nnx.Module):
         self.top_k, self.normalize = cfg.experts_per_token, cfg.normalize_top_k
         self.matmul, self.capacity_factor = cfg.moe_matmul, cfg.moe_capacity_factor
         self.buffer_factor, self.num_experts = cfg.moe_ep_buffer_factor, E
+        self.force_balance = cfg.moe_force_load_balance
 
     def __call__(self, x_BxLxD: jax.Array) -> tuple[jax.Array, router_losses.Statistics]:
         B, L, D = x_BxLxD.shape
         x_TxD = x_BxLxD.reshape(B * L, D)
-        routing = moe.route(x_TxD, self.router[...], self.top_k, self.normalize)
+        routing = moe.route(x_TxD, self.router[...], self.top_k, self.normalize,
+                            self.force_balance)
         gate = self.gate[...]  # this device's experts: a shard of them under expert parallelism
         y_TxD = moe.experts_mlp(x_TxD, routing, gate, self.up[...], self.down[...], self.gated,
                                 self.matmul, self.capacity_factor, self.buffer_factor)

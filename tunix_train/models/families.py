@@ -74,4 +74,7 @@ def experts_line(model: ModelConfig, ep: int) -> str | None:
         return None
     return (f"experts: {model.num_experts // ep} of {model.num_experts} per routed layer on "
             f"each device (ep={ep}): {expert_params(model) // ep:,} of "
-            f"{expert_params(model):,} expert parameters; grouped matmul {model.moe_matmul}")
+            f"{expert_params(model):,} expert parameters; grouped matmul {model.moe_matmul}"
+            + ("; routing forced balanced by pseudo-random logits (model.moe_force_load_balance: "
+               "for benchmarks, the router's choices are not used)"
+               if model.moe_force_load_balance else ""))

@@ -52,16 +52,35 @@ class Routing:
     logsumexp_T: jax.Array  # of the router's logits, fp32 (the z-loss's)
 
 
-def route(x_TxD: jax.Array, router_DxE: jax.Array, top_k: int, normalize: bool) -> Routing:
+def route(x_TxD: jax.Array, router_DxE: jax.Array, top_k: int, normalize: bool,
+          force_balance: bool = False) -> Routing:
     """Softmax over the experts in fp32, the top k kept; with `normalize` (Mixtral, Qwen3-MoE's
-    `norm_topk_prob`) the kept weights are rescaled to sum to 1."""
+    `norm_topk_prob`) the kept weights are rescaled to sum to 1. With `force_balance`
+    (model.moe_force_load_balance, for benchmarks: Megatron-Core's
+    `moe_router_force_load_balancing`, torchtitan's `moe_force_load_balance`) the logits are
+    fixed pseudo-random values (`_noise`) in the forward pass, their gradient passed straight
+    through to the router's: each expert takes its mean share up to sampling noise, as under a
+    router trained to balance, with every operation of real routing still computed."""
     logits_TxE = jnp.dot(x_TxD, router_DxE.astype(x_TxD.dtype)).astype(jnp.float32)
+    if force_balance:
+        logits_TxE = _noise(logits_TxE.shape) + (logits_TxE - jax.lax.stop_gradient(logits_TxE))
     probs_TxE = jax.nn.softmax(logits_TxE, axis=-1)
     weights_TxK, experts_TxK = jax.lax.top_k(probs_TxE, top_k)
     if normalize:
         weights_TxK = weights_TxK / jnp.sum(weights_TxK, axis=-1, keepdims=True)
     return Routing(weights_TxK.astype(x_TxD.dtype), experts_TxK.astype(jnp.int32), probs_TxE,
                    jax.nn.logsumexp(logits_TxE, axis=-1))
+
+
+def _noise(shape: tuple[int, int]) -> jax.Array:
+    """Uniform [0, 1) values, one per (token, expert), from a hash of the position (murmur3's
+    finaliser): the same each call, and elementwise, where jax.random's threefry is a loop on
+    XLA's CPU compiler that would cost a benchmark what real routing does not."""
+    h = jax.lax.iota(jnp.uint32, shape[0] * shape[1]).reshape(shape) + jnp.uint32(0x9E3779B9)
+    for shift, multiplier in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+        h = (h ^ (h >> shift)) * jnp.uint32(multiplier)
+    h = h ^ (h >> 16)
+    return (h >> 8).astype(jnp.float32) * 2.0**-24
 
 
 def experts_mlp(x_TxD: jax.Array, routing: Routing, gate_ExDxF: jax.Array, up_ExDxF: jax.Array,
