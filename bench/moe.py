@@ -14,10 +14,10 @@ experts and back, and the grouped matmul's own waste. Three grouped matmuls are 
 fills), `model.moe_matmul=tiles` (every expert's rows padded to tiles: at most half the rows
 again) and `model.moe_matmul=ragged_dot` (jax.lax.ragged_dot, which XLA's CPU compiler turns
 into every row times every expert). A fourth run, `balanced`, is the blocks with
-`model.moe_force_load_balance=true`: random router logits in the forward pass, so each expert
-takes its mean share up to sampling noise, as under a router trained to balance (Megatron-Core
-and torchtitan time MoE steps so); the others route by the router at init, whose choices on
-this random batch are uneven (a sequence's tokens lean the same way). The last line is JSON.
+`model.moe_force_load_balance=true`: pseudo-random router logits in the forward pass, so each
+expert takes its mean share up to sampling noise, as under a router trained to balance
+(Megatron-Core and torchtitan time MoE steps so); the others route by the router at init,
+whose choices on this random batch are uneven. The last line is JSON.
 
 The widths (d = 256, F = 512 by default) and what is timed can be changed:
 
@@ -25,8 +25,8 @@ The widths (d = 256, F = 512 by default) and what is timed can be changed:
         XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/moe.py
 
 (heads of 64: d / 64 heads, half as many key-value heads; `MOE_VARIANTS` names the MoE runs,
-comma-separated, of `blocks`, `balanced`, `tiles` and `ragged_dot`; on the ep mesh the exchange's blocks
-bounded at twice a shard's mean share are timed too.)
+comma-separated, of `blocks`, `balanced`, `tiles` and `ragged_dot`; on the ep mesh the
+exchange's blocks bounded at twice a shard's mean share are timed too.)
 
 So can the batch, `MOE_SEQUENCES` sequences of 256 tokens a step (8 by default; a multiple of
 the meshes' data-parallel ranks: 1, 4 and 8), and the meshes timed, `MOE_MESHES`
