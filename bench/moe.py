@@ -85,9 +85,8 @@ ALL_MESHES = {"1": ("1 device", ONE_DEVICE, ONE_DEVICE, 1, 1),
 MESHES = {name: ALL_MESHES.get(name) for name in
           os.environ.get("MOE_MESHES", ",".join(ALL_MESHES)).split(",")}
 # The MoE runs timed against the dense one: the default (blocks), the blocks with routing forced
-# balanced, the tiles, ragged_dot, and on
-# an ep mesh the exchange's blocks bounded at twice a shard's mean share (dropless blocks: the
-# worst case).
+# balanced, the tiles, ragged_dot, and on an ep mesh the exchange's blocks bounded at twice a
+# shard's mean share (dropless blocks: the worst case).
 ALL_VARIANTS = {"blocks": [], "balanced": ["model.moe_force_load_balance=true"],
                 "tiles": ["model.moe_matmul=tiles"],
                 "ragged_dot": ["model.moe_matmul=ragged_dot"]}
