@@ -16,7 +16,7 @@ pads every expert's rows to whole tiles, `jax.lax.ragged_dot` is there on reques
 dropped (unless a capacity says so); the work is about the k experts' per token, not E's.
 Where this device holds only a shard of the experts (an `ep` mesh axis), the rows travel to
 their experts' devices and back (`exchanged`). models/moe_rows.py lays the rows out and
-multiplies them (`Rows`); models/moe_overflow.py runs the blocks' overflow loop.
+multiplies them (`Rows`); models/moe_overflow.py runs the blocks and their overflow loop.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from tunix_train import backend, validation
 from tunix_train.config import ConfigError
 from tunix_train.models import params as model_params
 from tunix_train.models import partitioning
-from tunix_train.models.moe_overflow import Overflow, overflow
+from tunix_train.models.moe_overflow import Blocked, Overflow, blocks_and_overflow
 from tunix_train.models.moe_rows import (Rows, capacity, capped, dropped_out, none_for_padding,
                                          ragged, rows_from, sorted_by_expert, tiled)
 from tunix_train.models.layers import PROJECTION
@@ -148,7 +148,8 @@ def in_blocks(x_TxD: jax.Array, experts_TxK: jax.Array, weights_TxK: jax.Array, 
     C = `share` rows (its mean share, ⌈T·k / E⌉) in a block of its own, the whole MLP on them
     as one batched matmul per projection over the weights where they lie ([E, C, D] × [E, D,
     F], `capped`: no copy of a weight, no padding past the blocks), and the rows past an
-    expert's C (the overflow) through `overflow`, a loop over only the tiles they fill. Where
+    expert's C (the overflow) through a loop over only the tiles they fill, both in
+    models/moe_overflow.py's `blocks_and_overflow` (one custom VJP). Where
     `tiled` computes the worst case's padding on every step (E · (tile - 1) rows, half the rows
     again at 128 rows an expert), this computes the blocks' rows plus what routing left over.
 
@@ -179,11 +180,12 @@ def _in_blocks_here(x_TxD, experts_TxK, weights_TxK, experts, share, weights, ga
     """`in_blocks` on one device's weights as they are (whole, or its share of the width)."""
     T, k = experts_TxK.shape
     expert_of_A = experts_TxK.reshape(T * k)
-    rows = capped(expert_of_A, k, experts, share)
-    y_TxKxD = rows.to_tokens(_mlp(rows.from_tokens(x_TxD), rows, *weights, gated), T)
-    plan = overflow_plan(expert_of_A, k, experts, share)
-    return (jnp.einsum("tkd,tk->td", y_TxKxD, weights_TxK)
-            + overflow(x_TxD, weights_TxK.reshape(T * k), plan, *weights, gated))
+    row_A = capped(expert_of_A, k, experts, share).row_A
+    P = experts * share
+    assignment_P = jnp.full(P, -1, jnp.int32).at[dropped_out(row_A, P)].set(
+        jnp.arange(T * k, dtype=jnp.int32), mode="drop")
+    return blocks_and_overflow(x_TxD, weights_TxK.reshape(T * k), Blocked(assignment_P, row_A),
+                               overflow_plan(expert_of_A, k, experts, share), *weights, gated)
 
 
 def _received_in_blocks(x_QxD: jax.Array, expert_Q: jax.Array, share: int, weights: tuple,
@@ -218,8 +220,10 @@ def overflow_plan(expert_of_A: jax.Array, k: int, experts: int, share: int) -> O
                        first_tile_E[expert_of_A] * tile + rank_A - share, n_tiles * tile)
     slot_R = jnp.full(n_tiles * tile, -1, jnp.int32).at[slot_A].set(
         jnp.arange(A, dtype=jnp.int32), mode="drop")
+    # By comparing all [n_tiles, E] pairs: searchsorted's default is a loop on XLA's CPU compiler.
     expert_N = jnp.minimum(jnp.searchsorted(jnp.cumsum(tiles_E), jnp.arange(n_tiles),
-                                            side="right"), experts - 1).astype(jnp.int32)
+                                            side="right", method="compare_all"),
+                           experts - 1).astype(jnp.int32)
     return Overflow(slot_R, expert_N, jnp.sum(tiles_E).astype(jnp.int32), k, tile)
 
 
