@@ -36,8 +36,9 @@ from tunix_train.config import ConfigError
 from tunix_train.models import params as model_params
 from tunix_train.models import partitioning
 from tunix_train.models.moe_overflow import Blocked, Overflow, blocks_and_overflow
-from tunix_train.models.moe_rows import (Rows, capacity, capped, dropped_out, none_for_padding,
-                                         ragged, rows_from, sorted_by_expert, tiled)
+from tunix_train.models.moe_rows import (Rows, assignments_at, capacity, capped, dropped_out,
+                                         none_for_padding, ragged, rows_from, sorted_by_expert,
+                                         tiled)
 from tunix_train.models.layers import PROJECTION
 
 # models/grouped_matmul.py (Pallas kernels, tokamax) is imported where it is used: importing
@@ -181,10 +182,8 @@ def _in_blocks_here(x_TxD, experts_TxK, weights_TxK, experts, share, weights, ga
     T, k = experts_TxK.shape
     expert_of_A = experts_TxK.reshape(T * k)
     row_A = capped(expert_of_A, k, experts, share).row_A
-    P = experts * share
-    assignment_P = jnp.full(P, -1, jnp.int32).at[dropped_out(row_A, P)].set(
-        jnp.arange(T * k, dtype=jnp.int32), mode="drop")
-    return blocks_and_overflow(x_TxD, weights_TxK.reshape(T * k), Blocked(assignment_P, row_A),
+    blocks = Blocked(assignments_at(row_A, experts * share), row_A)
+    return blocks_and_overflow(x_TxD, weights_TxK.reshape(T * k), blocks,
                                overflow_plan(expert_of_A, k, experts, share), *weights, gated)
 
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from tunix_train.models.layers import PROJECTION
+from tunix_train.models.moe_rows import rows_at, tokens_of
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -65,16 +66,10 @@ def blocks_and_overflow(x_TxD: jax.Array, weight_A: jax.Array, blocks: Blocked, 
                     up_ExDxF.astype(dtype), down_ExFxD.astype(dtype))
 
 
-def _rows(x_NxD: jax.Array, index_M: jax.Array) -> jax.Array:
-    """x[index] (index -1: a zero row)."""
-    return jnp.where((index_M >= 0)[:, None], x_NxD[jnp.maximum(index_M, 0)],
-                     jnp.zeros((), x_NxD.dtype))
-
-
 def _block_rows(blocks: Blocked, k: int, experts: int, x_TxD: jax.Array) -> jax.Array:
     """The block rows' inputs [E, C, D] (empty rows: zeros)."""
-    token_P = jnp.where(blocks.assignment_P >= 0, blocks.assignment_P // k, -1)
-    return _rows(x_TxD, token_P).reshape(experts, -1, x_TxD.shape[-1])
+    return rows_at(x_TxD, tokens_of(blocks.assignment_P, k)).reshape(experts, -1,
+                                                                     x_TxD.shape[-1])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -98,7 +93,7 @@ def _experts_fwd(gated, blocks, tiles, x_TxD, weight_A, gate_ExDxF, up_ExDxF, do
     up_ExCxF = checkpoint_name(jnp.einsum("ecd,edf->ecf", x_ExCxD, up_ExDxF), PROJECTION)
     y_ExCxD = checkpoint_name(jnp.einsum("ecf,efd->ecd", gated(gate_ExCxF, up_ExCxF),
                                          down_ExFxD), PROJECTION)
-    y_TxKxD = _rows(y_ExCxD.reshape(-1, D), blocks.row_A).reshape(T, k, D)
+    y_TxKxD = rows_at(y_ExCxD.reshape(-1, D), blocks.row_A).reshape(T, k, D)
     y_TxD = jnp.einsum("tkd,tk->td", y_TxKxD, weight_A.reshape(T, k))
 
     def tile(n, y_TxD):
@@ -127,12 +122,23 @@ def _tile_rows(tiles: Overflow, x_TxD: jax.Array, weight_A: jax.Array, n: jax.Ar
 
 
 def _experts_bwd(gated, residuals, dy_TxD):
-    (blocks, tiles, x_TxD, weight_A, *weights, gate_ExCxF, up_ExCxF, y_ExCxD) = residuals
+    blocks, tiles, x_TxD, weight_A, *weights, gate_ExCxF, up_ExCxF, y_ExCxD = residuals
+    grads = _blocks_bwd(gated, blocks, tiles.k, x_TxD, weight_A, weights,
+                        (gate_ExCxF, up_ExCxF, y_ExCxD), dy_TxD)
+    tile = functools.partial(_tile_bwd, gated, tiles, x_TxD, weight_A, weights, dy_TxD)
+    return (None, None, *jax.lax.fori_loop(0, tiles.used, tile, grads))
+
+
+def _blocks_bwd(gated, blocks: Blocked, k: int, x_TxD, weight_A, weights, projections,
+                dy_TxD):
+    """The blocks' gradients (dx_TxD, dweight_A, dgate, dup, ddown), from their projections'
+    outputs (saved or recomputed): each row's output gradient is its token's, times its
+    routing weight; the overflow's assignments get none here (`_tile_bwd` sets theirs)."""
     gate_ExDxF, up_ExDxF, down_ExFxD = weights
-    (T, D), k, experts = x_TxD.shape, tiles.k, gate_ExDxF.shape[0]
-    # The blocks: each row's output gradient is its token's, times its routing weight.
+    gate_ExCxF, up_ExCxF, y_ExCxD = projections
+    (T, D), experts = x_TxD.shape, gate_ExDxF.shape[0]
     assignment_P = blocks.assignment_P
-    dy_PxD = _rows(dy_TxD, jnp.where(assignment_P >= 0, assignment_P // k, -1))
+    dy_PxD = rows_at(dy_TxD, tokens_of(assignment_P, k))
     weight_P = jnp.where(assignment_P >= 0, weight_A[jnp.maximum(assignment_P, 0)], 0)
     dweight_P = jnp.sum(dy_PxD * y_ExCxD.reshape(-1, D), axis=-1)
     dweight_A = jnp.where(blocks.row_A >= 0, dweight_P[jnp.maximum(blocks.row_A, 0)], 0)
@@ -146,30 +152,32 @@ def _experts_bwd(gated, residuals, dy_TxD):
     dx_PxD = (jnp.einsum("ecf,edf->ecd", dgate_ExCxF, gate_ExDxF)
               + jnp.einsum("ecf,edf->ecd", dup_ExCxF, up_ExDxF)).reshape(-1, D)
     # Each token's k rows summed by a gather, not by the scatter-add a gather's own gradient is.
-    dx_TxD = _rows(dx_PxD, blocks.row_A).reshape(T, k, D).sum(axis=1)
+    dx_TxD = rows_at(dx_PxD, blocks.row_A).reshape(T, k, D).sum(axis=1)
+    return dx_TxD, dweight_A, dgate, dup, ddown
 
-    def tile(n, grads):
-        dx_TxD, dweight_A, *dweights = grads
-        a_t, token_t, x_txD, weight_t = _tile_rows(tiles, x_TxD, weight_A, n)
-        e = tiles.expert_N[n]
-        dy_txD = jnp.where((token_t < T)[:, None], dy_TxD[jnp.minimum(token_t, T - 1)], 0)
-        gate_DxF, up_DxF, down_FxD = (w[e] for w in weights)
-        h_txF, gated_vjp = jax.vjp(gated, jnp.dot(x_txD, gate_DxF), jnp.dot(x_txD, up_DxF))
-        # The routing weight's gradient from dh rather than from the down projection's output:
-        # <dy, h · down> = <h, dy · downᵀ>, so the forward's last matmul is not run again.
-        dh_txF = jnp.dot(dy_txD, down_FxD.T)
-        dweight_t = jnp.sum(h_txF * dh_txF, axis=-1)
-        dgate_txF, dup_txF = gated_vjp(weight_t[:, None] * dh_txF)
-        dx_txD = jnp.dot(dgate_txF, gate_DxF.T) + jnp.dot(dup_txF, up_DxF.T)
-        dw = (jnp.dot(x_txD.T, dgate_txF), jnp.dot(x_txD.T, dup_txF),
-              jnp.dot(h_txF.T, weight_t[:, None] * dy_txD))
-        dx_TxD = dx_TxD.at[token_t].add(dx_txD, mode="drop")
-        dweight_A = dweight_A.at[jnp.where(a_t >= 0, a_t, weight_A.shape[0])].set(
-            dweight_t, mode="drop")
-        return (dx_TxD, dweight_A, *(g.at[e].add(d) for g, d in zip(dweights, dw)))
 
-    grads = jax.lax.fori_loop(0, tiles.used, tile, (dx_TxD, dweight_A, dgate, dup, ddown))
-    return (None, None, *grads)
+def _tile_bwd(gated, tiles: Overflow, x_TxD, weight_A, weights, dy_TxD, n, grads):
+    """Overflow tile n's MLP differentiated, its gradients added into `grads` (in place: the
+    weights' into its expert's)."""
+    dx_TxD, dweight_A, *dweights = grads
+    T = x_TxD.shape[0]
+    a_t, token_t, x_txD, weight_t = _tile_rows(tiles, x_TxD, weight_A, n)
+    e = tiles.expert_N[n]
+    dy_txD = jnp.where((token_t < T)[:, None], dy_TxD[jnp.minimum(token_t, T - 1)], 0)
+    gate_DxF, up_DxF, down_FxD = (w[e] for w in weights)
+    h_txF, gated_vjp = jax.vjp(gated, jnp.dot(x_txD, gate_DxF), jnp.dot(x_txD, up_DxF))
+    # The routing weight's gradient from dh rather than from the down projection's output:
+    # <dy, h · down> = <h, dy · downᵀ>, so the forward's last matmul is not run again.
+    dh_txF = jnp.dot(dy_txD, down_FxD.T)
+    dweight_t = jnp.sum(h_txF * dh_txF, axis=-1)
+    dgate_txF, dup_txF = gated_vjp(weight_t[:, None] * dh_txF)
+    dx_txD = jnp.dot(dgate_txF, gate_DxF.T) + jnp.dot(dup_txF, up_DxF.T)
+    dw = (jnp.dot(x_txD.T, dgate_txF), jnp.dot(x_txD.T, dup_txF),
+          jnp.dot(h_txF.T, weight_t[:, None] * dy_txD))
+    dx_TxD = dx_TxD.at[token_t].add(dx_txD, mode="drop")
+    past_end = weight_A.shape[0]  # an unused slot's: dropped
+    dweight_A = dweight_A.at[jnp.where(a_t >= 0, a_t, past_end)].set(dweight_t, mode="drop")
+    return (dx_TxD, dweight_A, *(g.at[e].add(d) for g, d in zip(dweights, dw)))
 
 
 _experts.defvjp(_experts_fwd, _experts_bwd)

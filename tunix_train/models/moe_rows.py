@@ -34,9 +34,7 @@ class Rows:
 
     def to_tokens(self, y_PxD: jax.Array, tokens: int) -> jax.Array:
         """Each token's k rows [T, k, D] (a dropped one: zeros)."""
-        P = y_PxD.shape[0]
-        used_P = jnp.full(P, -1, jnp.int32).at[dropped_out(self.row_A, P)].set(
-            jnp.arange(self.row_A.shape[0], dtype=jnp.int32), mode="drop")
+        used_P = assignments_at(self.row_A, y_PxD.shape[0])
         return take(y_PxD, self.row_A, used_P[:, None]).reshape(tokens, -1, y_PxD.shape[-1])
 
 
@@ -60,9 +58,18 @@ def none_for_padding(row_A: jax.Array, expert_of_A: jax.Array) -> jax.Array:
 
 def rows_from(row_A: jax.Array, k: int, count: int) -> jax.Array:
     """token_P from row_A: which token each of `count` rows holds (-1: none)."""
-    A = row_A.shape[0]
+    return tokens_of(assignments_at(row_A, count), k)
+
+
+def assignments_at(row_A: jax.Array, count: int) -> jax.Array:
+    """Which assignment each of `count` rows holds (-1: none), from where each sits (row_A)."""
     return jnp.full(count, -1, jnp.int32).at[dropped_out(row_A, count)].set(
-        jnp.arange(A, dtype=jnp.int32) // k, mode="drop")
+        jnp.arange(row_A.shape[0], dtype=jnp.int32), mode="drop")
+
+
+def tokens_of(assignment_P: jax.Array, k: int) -> jax.Array:
+    """Each row's token, from its assignment (token-major, k a token; -1: none)."""
+    return jnp.where(assignment_P >= 0, assignment_P // k, -1)
 
 
 def dropped_out(row_A: jax.Array, count: int) -> jax.Array:
@@ -77,21 +84,24 @@ def take(x_NxD: jax.Array, index_M: jax.Array, uses_NxR: jax.Array) -> jax.Array
     of `index` that take it (-1: none; every position of index appears there once): the
     backward pass sums each row's uses by a gather, not by the scatter-add JAX's own gradient
     of a gather is (serial on XLA's CPU compiler)."""
-    return _rows(x_NxD, index_M)
+    return rows_at(x_NxD, index_M)
 
 
-def _rows(x: jax.Array, index: jax.Array) -> jax.Array:
-    return jnp.where((index >= 0)[:, None], x[jnp.maximum(index, 0)], jnp.zeros((), x.dtype))
+def rows_at(x_NxD: jax.Array, index_M: jax.Array) -> jax.Array:
+    """x[index] (index -1: a zero row), by a gather: its gradient is a scatter-add (`take`'s
+    is not)."""
+    return jnp.where((index_M >= 0)[:, None], x_NxD[jnp.maximum(index_M, 0)],
+                     jnp.zeros((), x_NxD.dtype))
 
 
 def _take_fwd(x_NxD, index_M, uses_NxR):
-    return _rows(x_NxD, index_M), (index_M, uses_NxR)
+    return rows_at(x_NxD, index_M), (index_M, uses_NxR)
 
 
 def _take_bwd(residuals, dy_MxD):
     _, uses_NxR = residuals
     n, r = uses_NxR.shape
-    dx = _rows(dy_MxD, uses_NxR.reshape(n * r)).reshape(n, r, -1).sum(axis=1)
+    dx = rows_at(dy_MxD, uses_NxR.reshape(n * r)).reshape(n, r, -1).sum(axis=1)
     return dx, None, None
 
 
