@@ -28,6 +28,11 @@ The widths (d = 256, F = 512 by default) and what is timed can be changed:
 comma-separated, of `blocks`, `balanced`, `tiles` and `ragged_dot`; on the ep mesh the
 exchange's blocks bounded at twice a shard's mean share are timed too.)
 
+`MOE_EXPERTS` (8 by default) sets E, the experts' width and the dense model staying as they are:
+with 2, every token goes to both experts, so the MoE has the dense model's parameters and rows
+and the ratio is what routing's machinery costs alone (docs/performance.md); each doubling of E
+after that doubles the experts' parameters, and what moving them costs, for the same work.
+
 So can the batch, `MOE_SEQUENCES` sequences of 256 tokens a step (8 by default; a multiple of
 the meshes' data-parallel ranks: 1, 4 and 8), and the meshes timed, `MOE_MESHES`
 (comma-separated, of `1`, `fsdp4xtp2` and `fsdp2xep4`).
@@ -52,7 +57,7 @@ import jax
 from timing import alternating_medians, train_stepper
 
 ROUNDS, STEPS_PER_ROUND, WARMUP = 5, 2, 1
-EXPERTS, TOP_K = 8, 2
+TOP_K = 2
 
 
 def _whole_number(knob: str, default: int) -> int:
@@ -65,6 +70,7 @@ def _whole_number(knob: str, default: int) -> int:
     return int(value)
 
 
+EXPERTS = _whole_number("MOE_EXPERTS", 8)
 EMBED_DIM = _whole_number("MOE_EMBED_DIM", 256)
 EXPERT_WIDTH = _whole_number("MOE_EXPERT_WIDTH", 512)
 SEQUENCES, SEQ_LEN = _whole_number("MOE_SEQUENCES", 8), 256
@@ -100,7 +106,7 @@ def _check_knobs() -> None:
     unknown = [name for name, extra in VARIANTS.items() if extra is None]
     if unknown:
         _refuse(f"error: MOE_VARIANTS names {', '.join(unknown)}; give a comma-separated list "
-                 f"of {', '.join(ALL_VARIANTS)}.")
+                f"of {', '.join(ALL_VARIANTS)}.")
     unknown = [name for name, mesh in MESHES.items() if mesh is None]
     if unknown:
         _refuse(f"error: MOE_MESHES names {', '.join(unknown)}; give a comma-separated list "
@@ -110,9 +116,15 @@ def _check_knobs() -> None:
         _refuse(f"error: MOE_SEQUENCES={SEQUENCES} is not a positive multiple of {ranks} (the "
                 f"data-parallel ranks of MOE_MESHES={','.join(MESHES)}, each taking whole "
                 f"sequences); give {ranks}, {2 * ranks}, {4 * ranks}, ...")
+    if EXPERTS < TOP_K:
+        _refuse(f"error: MOE_EXPERTS={EXPERTS} is fewer than the {TOP_K} experts each token "
+                f"goes to; give {TOP_K} or more.")
+    if "fsdp2xep4" in MESHES and EXPERTS % 4:
+        _refuse(f"error: MOE_EXPERTS={EXPERTS} does not split over ep 4 (MOE_MESHES names "
+                "fsdp2xep4); give a multiple of 4, or leave fsdp2xep4 out of MOE_MESHES.")
     if EMBED_DIM % 128:
         _refuse(f"error: MOE_EMBED_DIM={EMBED_DIM} is not a multiple of 128 (heads of 64, half "
-                 "as many key-value heads); give 256, 384, 512, ...")
+                "as many key-value heads); give 256, 384, 512, ...")
 
 
 def _refuse(sentence: str) -> None:
