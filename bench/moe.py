@@ -56,7 +56,7 @@ import jax
 
 from timing import alternating_medians, train_stepper
 
-ROUNDS, STEPS_PER_ROUND, WARMUP = 5, 2, 1
+ROUNDS, STEPS_PER_ROUND, WARMUP = 15, 2, 1
 TOP_K = 2
 
 
