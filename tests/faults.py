@@ -6,6 +6,8 @@ the update that makes the state's step 6).
 
     FAULTS='{"nan_at_step": 6}'            # that step's batch has NaN loss weights
     FAULTS='{"hang_at_step": 3}'           # the host stops after step 3
+    FAULTS='{"hang_before_start_checks_in_process": 1}'  # process 1 stops (alive) before the
+                                           # start-up checks the processes make together
     FAULTS='{"kill_at_step": 5}'           # SIGKILL while step 5 runs on the device
     FAULTS='{"kill_in_save_at_step": 4}'   # SIGKILL while step 4's save is in flight
     FAULTS='{"kill_in_save_at_step": 4, "save_dir": "<run dir>/checkpoints"}'  # once its
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+import jax
 import jax.numpy as jnp
 
 from tunix_train.training.loop import StepHooks
@@ -38,6 +41,7 @@ log = logging.getLogger("tunix_train")
 class Faults(StepHooks):
     nan_at_step: Optional[int] = None
     hang_at_step: Optional[int] = None
+    hang_before_start_checks_in_process: Optional[int] = None
     kill_at_step: Optional[int] = None
     kill_in_save_at_step: Optional[int] = None
     save_dir: Optional[str] = None  # with kill_in_save_at_step: wait for the save's files there
@@ -50,6 +54,11 @@ class Faults(StepHooks):
     def from_env(cls) -> "Faults":
         text = os.environ.get(ENV)
         return cls(**json.loads(text)) if text else cls()
+
+    def before_start_checks(self) -> None:
+        if jax.process_index() == self.hang_before_start_checks_in_process:
+            log.warning("fault injection: hanging before the start-up checks")
+            _hang()
 
     def batch(self, step: int, batch: dict) -> dict:
         """NaN weights make the loss and every gradient NaN: a non-finite step, on demand."""

@@ -204,9 +204,9 @@ def test_processes_writing_to_different_run_dirs_are_refused_by_name(monkeypatch
     with pytest.raises(ConfigError, match=r"write to different run dirs \(process 0: .*/a; "
                                           r"process 1: .*/b\); give them all the same "
                                           r"hydra.run.dir"):
-        distributed.check_same_run_dir(tmp_path / "a")
+        distributed.check_same_run_dir(tmp_path / "a", 30)
     monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.stack([x, x]))
-    distributed.check_same_run_dir(tmp_path / "a")
+    distributed.check_same_run_dir(tmp_path / "a", 30)
 
 
 @pytest.mark.parametrize("visible,per_task,local,rank,want", [
@@ -255,6 +255,27 @@ def test_a_wait_under_torchrun_reads_a_sigterm_as_a_failed_peer(monkeypatch, wor
     monkeypatch.setenv(torchrun.RUN_ID_ENV, "job")
     monkeypatch.setenv("WORLD_SIZE", world)
     assert Waiting("process 0", None, 5).on_signal == said
+
+
+def test_a_start_up_check_leaves_sigterm_to_jaxs_preemption_notifier(monkeypatch):
+    """A wait before the joined job's first step (`distributed.together`) does not take SIGTERM
+    over, where a wait to join does: once joined, SIGTERM is JAX's preemption notifier's, and a
+    preemption notice during start-up must still reach it (training/preemption.py)."""
+    def notifier(*_):
+        pass
+
+    monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
+    previous = signal.signal(signal.SIGTERM, notifier)
+    try:
+        with distributed.together("the check", 30):
+            assert signal.getsignal(signal.SIGTERM) is notifier
+        from tunix_train.parallel.waiting import Waiting
+
+        with Waiting("the others to join", 30, 5):
+            assert signal.getsignal(signal.SIGTERM) is not notifier
+        assert signal.getsignal(signal.SIGTERM) is notifier
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @pytest.mark.parametrize("hook", [True, False], ids=["jax_has_the_hook", "jax_lacks_it"])

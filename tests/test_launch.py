@@ -24,13 +24,14 @@ def devices_env(n: int) -> dict:
     return {"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "JAX_PLATFORMS": "cpu"}
 
 
-def launch(args: list[str], cwd: Path, env_extra: dict, nprocs: int = 2) -> subprocess.Popen:
+def launch(args: list[str], cwd: Path, env_extra: dict, nprocs: int = 2,
+           script: str = "run_training.py") -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "RANK", "WORLD_SIZE")}
     env.update(env_extra)
     with_fast_compile(env)
     return subprocess.Popen(
         [sys.executable, "-m", "tunix_train.launch", f"--nprocs={nprocs}",
-         str(REPO / "run_training.py"), *args],
+         str(REPO / script), *args],
         cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -151,6 +152,26 @@ def test_a_crashed_rank_stops_the_job_promptly_and_is_named(tmp_path):
     assert "rank 1 (pid" in output and "failed with signal SIGKILL; stopping the other" in output
     for pid in children:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+
+
+def test_a_process_stuck_before_a_start_up_check_ends_the_job_naming_the_check(tmp_path):
+    """Process 1 stops before the checkpoint folder's check (tests/faults.py), alive: its
+    heartbeat goes on, so JAX never declares it gone. Process 0, at the check's collective,
+    says what it waits for, then gives up with code 5 after distributed.init_timeout_s, and the
+    job ends. Before, process 0 waited there for ever, in silence."""
+    env = {**devices_env(1), "TUNIX_TRAIN_TEST_FAULTS": json.dumps(
+        {"hang_before_start_checks_in_process": 1})}
+    proc = launch([*ONE_STACK, *STEPS, mesh_arg(2, 1), "distributed.init_timeout_s=8"],
+                  tmp_path, env, script="tests/faulty_training.py")
+    output, _ = proc.communicate(timeout=120)  # without the bound: a hang, this timeout
+    assert "fault injection: hanging before the start-up checks" in output, output[-3000:]
+    check = "the other processes of the job at the check that the checkpoint folder has room"
+    assert f"waiting for {check} (5 s of 8)" in output, output[-3000:]
+    assert (f"error: {check}: gave up after 8 s; a process of the job is stuck before it or "
+            f"gone") in output, output[-3000:]
+    # Once process 0 has gone, JAX aborts process 1 (its coordinator is gone): the launcher
+    # names whichever of the two it sees end first.
+    assert proc.returncode in (5, 128 + signal.SIGABRT), output[-3000:]
 
 
 def by_hand(rank: int, port: int, args: list[str], cwd: Path, devices: int = 1,

@@ -4,11 +4,13 @@ Joining never waits in silence: a line every 15 s says for whom; past
 `distributed.init_timeout_s`, or on SIGTERM/SIGINT, the process ends with exit code 5 and one
 sentence (parallel/waiting.py), even though JAX's client blocks inside C++ meanwhile. Once
 joined, a process that JAX aborts (a peer gone, a missed barrier) prints every thread's Python
-stack on stderr: where it was when the job ended.
+stack on stderr: where it was when the job ended; and the checks every process makes together
+before the first step (`together`) are said and bounded the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import os
@@ -196,9 +198,25 @@ def leave() -> None:
     faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True)
 
 
-def check_same_run_dir(run_dir: Path) -> None:
+def together(check: str, timeout_s: float) -> contextlib.AbstractContextManager:
+    """Around a start-up check that every process of the job makes together (a collective on
+    the host, before the watchdog's first step): a process waiting there for the others says so
+    after 5 s and every 15 s, naming `check`, and past `timeout_s` (distributed.init_timeout_s)
+    ends with one sentence and exit code 5. Without it a process stuck before the check, but
+    alive (its heartbeat going on, so JAX never declares it gone), kept the others waiting in
+    the collective for ever, in silence. SIGTERM stays JAX's preemption notifier's."""
+    if jax.process_count() == 1:
+        return contextlib.nullcontext()
+    return Waiting(f"the other processes of the job at {check}", timeout_s, PEERS_EXIT_CODE,
+                   "a process of the job is stuck before it or gone; its own lines say where "
+                   "(raise distributed.init_timeout_s if one is only slow to get there)",
+                   signals=False)
+
+
+def check_same_run_dir(run_dir: Path, timeout_s: float) -> None:
     """Refuses a job whose processes write to different run dirs (each would wait for ever on
-    the others' checkpoint commits): one sentence naming them, on every process."""
+    the others' checkpoint commits): one sentence naming them, on every process. Waits for the
+    others at most `timeout_s` (`together`)."""
     if jax.process_count() == 1:
         return
     from jax.experimental import multihost_utils
@@ -206,7 +224,9 @@ def check_same_run_dir(run_dir: Path) -> None:
     encoded = np.zeros(4096, np.uint8)
     text = str(run_dir.resolve()).encode()[:4096]
     encoded[:len(text)] = np.frombuffer(text, np.uint8)
-    gathered = np.asarray(multihost_utils.process_allgather(encoded)).reshape(-1, 4096)
+    with together("the check that they share one run dir", timeout_s):
+        gathered = multihost_utils.process_allgather(encoded)
+    gathered = np.asarray(gathered).reshape(-1, 4096)
     dirs = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in gathered]
     if len(set(dirs)) > 1:
         named = "; ".join(f"process {i}: {d}" for i, d in enumerate(dirs))

@@ -15,6 +15,8 @@ the signal.
 
 `keep_sigterm=True` leaves SIGTERM's handler as the block left it: `jax.distributed.initialize`
 installs JAX's preemption notifier for SIGTERM after joining, and restoring ours would remove it.
+`signals=False` leaves the signals alone (a wait inside a joined job, where SIGTERM is that
+notifier's and a preemption notice must reach it): the wait is still said and still bounded.
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class Waiting:
     def __init__(self, what: Callable[[], str] | str, timeout_s: float | None, exit_code: int,
                  on_timeout: str = "", every_s: float = 15.0, keep_sigterm: bool = False,
-                 first_s: float = 5.0):
+                 first_s: float = 5.0, signals: bool = True):
         self._what = what if callable(what) else (lambda: what)
         self.timeout_s, self.exit_code, self.every_s = timeout_s, exit_code, every_s
         self.first_s = min(first_s, every_s)
-        self.on_timeout, self.keep_sigterm = on_timeout, keep_sigterm
+        self.on_timeout, self.keep_sigterm, self.signals = on_timeout, keep_sigterm, signals
         # What a signal while waiting most likely means; under torchrun, that a peer failed.
         self.on_signal = torchrun.why_stopped()
         self._done = threading.Event()
@@ -51,7 +53,7 @@ class Waiting:
 
     def __enter__(self) -> "Waiting":
         self._start = time.monotonic()
-        if threading.current_thread() is threading.main_thread():
+        if self.signals and threading.current_thread() is threading.main_thread():
             self._catch_signals()
         threading.Thread(target=self._watch, name="tunix-waiting", daemon=True).start()
         return self

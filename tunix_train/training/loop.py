@@ -37,8 +37,13 @@ class NonFiniteLoss(FloatingPointError):
 
 
 class StepHooks:
-    """Points in the loop where the tests inject failures (tests/faults.py). A real run uses
-    these no-ops: nothing in the package can switch them on. Steps are 1-based, as logged."""
+    """Points in a run (the loop's, and one before it) where the tests inject failures
+    (tests/faults.py). A real run uses these no-ops: nothing in the package can switch them
+    on. Steps are 1-based, as logged."""
+
+    def before_start_checks(self) -> None:
+        """The state is restored or initialised; the checks the processes make together
+        (the checkpoint folder's room) come next."""
 
     def batch(self, step: int, batch: dict) -> dict:
         return batch

@@ -86,7 +86,10 @@ def run(cfg: Config, run_dir: Path, task: type[Task] = Task,
         first_step = work.steps_done(state)
         if first_step >= cfg.training.steps:
             return already_complete(first_step)
-        check_room(run_dir, state)  # before the step compiles: its first save would fail
+        hooks.before_start_checks()
+        with distributed.together("the check that the checkpoint folder has room",
+                                  cfg.distributed.init_timeout_s):
+            check_room(run_dir, state)  # before the step compiles: its first save would fail
         trackers = Trackers.open(cfg, run_dir) if jax.process_index() == 0 else None
         writer = MetricsWriter(run_dir, cfg.logging, cfg.training.steps, first_step, trackers)
         log_startup(setup, state, writer)
@@ -118,7 +121,7 @@ def _joined(cfg: Config, run_dir: Path, task: type[Task]) -> tuple[Setup, Task]:
     """This process in its job (every process on one run dir), the run built on the job's
     devices, and the trainer's part of it."""
     job = distributed.initialize(cfg.distributed)
-    distributed.check_same_run_dir(run_dir)
+    distributed.check_same_run_dir(run_dir, cfg.distributed.init_timeout_s)
     setup_process_logging(jax.process_index())
     setup = Setup.create(cfg, processes_per_node=job.local_world_size)
     return setup, task(setup)
