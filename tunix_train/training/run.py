@@ -86,10 +86,7 @@ def run(cfg: Config, run_dir: Path, task: type[Task] = Task,
         first_step = work.steps_done(state)
         if first_step >= cfg.training.steps:
             return already_complete(first_step)
-        hooks.before_start_checks()
-        with distributed.together("the check that the checkpoint folder has room",
-                                  cfg.distributed.init_timeout_s):
-            check_room(run_dir, state)  # before the step compiles: its first save would fail
+        _start_checks(cfg, run_dir, state, hooks)
         trackers = Trackers.open(cfg, run_dir) if jax.process_index() == 0 else None
         writer = MetricsWriter(run_dir, cfg.logging, cfg.training.steps, first_step, trackers)
         log_startup(setup, state, writer)
@@ -115,6 +112,16 @@ def run(cfg: Config, run_dir: Path, task: type[Task] = Task,
         if writer is not None:
             writer.close(status)
     return summary
+
+
+def _start_checks(cfg: Config, run_dir: Path, state, hooks: StepHooks) -> None:
+    """What the processes check together before the step compiles: that the checkpoint folder
+    has room (its first save would fail), each waiting for the others at most
+    distributed.init_timeout_s (`distributed.together`)."""
+    hooks.before_start_checks()
+    with distributed.together("the check that the checkpoint folder has room",
+                              cfg.distributed.init_timeout_s):
+        check_room(run_dir, state)
 
 
 def _joined(cfg: Config, run_dir: Path, task: type[Task]) -> tuple[Setup, Task]:
