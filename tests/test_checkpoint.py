@@ -306,3 +306,23 @@ def test_a_relative_checkpoint_path_means_one_under_the_current_directory(tmp_pa
     monkeypatch.chdir(tmp_path)
     restored = checkpoint.restore("outputs/run", abstract(make_mesh(8, 1)), CONFIG)
     assert restored.step == 2 and restored.path == tmp_path / "outputs/run/checkpoints/2"
+
+
+def test_a_restore_still_running_is_said(tmp_path, monkeypatch, caplog):
+    """A run's restore (Setup.initial_state) says what it waits on while it lasts (slowed here to
+    0.5 s, said after 0.1 s): reading a large checkpoint takes minutes, and in a job of several
+    processes each waits inside it for the others."""
+    from tunix_train.training import setup as setup_lib
+
+    restored = checkpoint.Restored(2, {"params": "restored"}, {"next_step": 2}, tmp_path / "2")
+    monkeypatch.setattr(setup_lib.checkpoint, "own_checkpoints", lambda run_dir: tmp_path)
+    monkeypatch.setattr(setup_lib.checkpoint, "restore",
+                        lambda *args, **kwargs: time.sleep(0.5) or restored)
+    monkeypatch.setattr(setup_lib, "RESTORE_SAID_AFTER_S", 0.1)
+    positions = []
+    data = type("Data", (), {"set_state": lambda self, state: positions.append(state)})()
+    setup = setup_lib.Setup.create(compose_config(), jax.devices()[:1])
+    with caplog.at_level(logging.WARNING, logger="tunix_train"):
+        assert setup.initial_state(tmp_path, data) == restored.state
+    assert f"waiting for the restore from {tmp_path} to finish (0 s)" in caplog.text
+    assert positions == [{"next_step": 2}]

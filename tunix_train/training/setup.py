@@ -37,12 +37,29 @@ from tunix_train.parallel import fsdp, sharding
 from tunix_train.parallel import stages
 from tunix_train.parallel import mesh as mesh_lib
 from tunix_train.parallel.layout import ParamLayout
+from tunix_train.parallel.waiting import Waiting
 from tunix_train.training import experts, offload, optim, reference
 from tunix_train.training.state import FROZEN, HOST, StateLayout, TrainState
 from tunix_train.training.train_step import (LossFn, StepOptions, jit_eval_step, jit_train_step,
                                              loss_sums)
 
 log = logging.getLogger("tunix_train")
+
+
+# A restore still running after this many seconds says so, then every 30 s.
+RESTORE_SAID_AFTER_S, RESTORE_SAID_EVERY_S = 10.0, 30.0
+
+
+def _restoring(source: str | Path) -> Waiting:
+    """Around a restore: reading a large checkpoint takes minutes, and in a job of several
+    processes each waits inside it (Orbax's barriers, checkpoint_damage's outcome gather) for
+    the others to finish theirs; said, not bounded, since processes may legitimately reach
+    or finish it minutes apart. Signals stay as they are (after joining, SIGTERM is JAX's
+    preemption notifier's)."""
+    together = "" if jax.process_count() == 1 else (
+        ": each process reads its own shards, and the processes of the job finish it together")
+    return Waiting(f"the restore from {source} to finish{together}", None, 0,
+                   every_s=RESTORE_SAID_EVERY_S, first_s=RESTORE_SAID_AFTER_S, signals=False)
 
 
 @dataclass(frozen=True)
@@ -207,9 +224,11 @@ class Setup:
                         "ignored", run_dir)
         frozen = self.base() if self.params.frozen is not None else None
         if own or cfg.resume_from:
-            restored = checkpoint.restore(own or cfg.resume_from, self.state.saved_target(),
-                                          self.saved_config(frozen),
-                                          set_aside_in=run_dir if own else None)
+            with _restoring(own or cfg.resume_from):
+                restored = checkpoint.restore(own or cfg.resume_from,
+                                              self.state.saved_target(),
+                                              self.saved_config(frozen),
+                                              set_aside_in=run_dir if own else None)
             data.set_state(restored.data_state)
             log.info("resuming from step %d (%s)", restored.step, restored.path)
             return restored.state if frozen is None else {**restored.state, FROZEN: frozen}
