@@ -326,3 +326,28 @@ def test_a_restore_still_running_is_said(tmp_path, monkeypatch, caplog):
         assert setup.initial_state(tmp_path, data) == restored.state
     assert f"waiting for the restore from {tmp_path} to finish (0 s)" in caplog.text
     assert positions == [{"next_step": 2}]
+
+
+def test_what_the_watchdog_does_not_time_it_says(caplog):
+    """The first step's compilation and a named pause (an evaluation) are not timed by
+    distributed.step_timeout_s, but said every say_every_s (0.2 s here) while they last, so a
+    hang there is not silent; a beat or the pause's end stops the lines, and nothing trips."""
+    from tunix_train.training.watchdog import Watchdog
+
+    def said(pause_s: float) -> list[str]:
+        caplog.clear()
+        time.sleep(pause_s)
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting")]
+
+    with caplog.at_level(logging.WARNING, logger="tunix_train"), Watchdog(5, 3, 0.2) as dog:
+        lines = said(0.5)
+        assert lines and all(
+            line.startswith("waiting for step 3's batch and compilation (")
+            and line.endswith("s; not timed by distributed.step_timeout_s)") for line in lines)
+        dog.beat(3)
+        assert said(0.5) == []
+        with dog.paused("the evaluation at step 3 to finish"):
+            assert said(0.5)[0].startswith("waiting for the evaluation at step 3 to finish (")
+        with dog.paused():  # a save: it says its own waits
+            assert said(0.5) == []
+        assert said(0.5) == []

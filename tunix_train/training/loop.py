@@ -77,7 +77,7 @@ class Loop:
         """Steps first + 1 … training.steps, from `state` (whose step is `first`)."""
         self._skipped = int(jax.device_get(optim.skipped_updates(state["opt_state"])))
         self.summary.update(final_step=first, preempted=False, skipped_steps=self._skipped)
-        with PreemptionSignal() as preemption, Watchdog(self.step_timeout_s) as watchdog:
+        with PreemptionSignal() as preemption, Watchdog(self.step_timeout_s, first + 1) as watchdog:
             for step in range(first + 1, self.training.steps + 1):
                 state = self._step(state, step, watchdog)
                 stop = preemption.reached(step)
@@ -124,7 +124,7 @@ class Loop:
             with watchdog.paused():
                 self._save(state, step)
         if self._eval_due(step) and not stop:  # the grace period is for saving
-            with watchdog.paused():
+            with watchdog.paused(f"the evaluation at step {step} to finish"):
                 values = self.evaluate(state)
             self.writer.scalars(step, values, group="eval")
             log.info("step %d | validation %s", step,

@@ -5,6 +5,8 @@ renting the machines. The loop calls `beat()` once per step; a daemon thread tha
 for `timeout_s` logs every thread's Python stack (to train.log and the console) and ends the
 process with `EXIT_CODE`. The first beat arms it, so the first step's compilation is not timed;
 `paused()` exempts work that is not a training step (evaluation, the blocking part of a save).
+What it does not time it still says: the first step, and a pause given a name, running past
+`say_every_s` is logged then and every `say_every_s` after (a hang there is then not silent).
 """
 
 from __future__ import annotations
@@ -23,12 +25,18 @@ log = logging.getLogger("tunix_train")
 EXIT_CODE = 4
 
 
+SAY_EVERY_S = 300.0  # what runs untimed says so this often
+
+
 class Watchdog:
-    def __init__(self, timeout_s: float):
-        self.timeout_s = timeout_s
+    def __init__(self, timeout_s: float, first_step: int = 1, say_every_s: float = SAY_EVERY_S):
+        self.timeout_s, self.say_every_s = timeout_s, say_every_s
         self._lock = threading.Lock()
         self._last_beat: Optional[float] = None  # None until armed, and while paused
         self._step = 0
+        # What runs untimed, said every say_every_s (None: nothing, or nothing to say)
+        self._untimed: Optional[tuple[str, float]] = (
+            f"step {first_step}'s batch and compilation", time.monotonic())
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="tunix-watchdog", daemon=True)
 
@@ -42,25 +50,40 @@ class Watchdog:
 
     def beat(self, step: int) -> None:
         with self._lock:
-            self._last_beat, self._step = time.monotonic(), step
+            self._last_beat, self._step, self._untimed = time.monotonic(), step, None
 
     @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
+    def paused(self, what: Optional[str] = None) -> Iterator[None]:
+        """Not timed while inside; said every say_every_s as `what` if named (a save says its
+        own waits)."""
         with self._lock:
             armed, self._last_beat = self._last_beat is not None, None
+            before, self._untimed = self._untimed, what and (what, time.monotonic())
         try:
             yield
         finally:
+            with self._lock:
+                self._untimed = before
             if armed:
                 self.beat(self._step)
 
     def _watch(self) -> None:
-        poll_s = min(1.0, self.timeout_s / 10)
+        poll_s = min(1.0, self.timeout_s / 10, self.say_every_s / 10)
+        said: Optional[tuple[str, float]] = None
+        next_line = 0.0
         while not self._stop.wait(poll_s):
             with self._lock:
-                last, step = self._last_beat, self._step
-            if last is not None and time.monotonic() - last > self.timeout_s:
-                self._trip(step + 1, time.monotonic() - last)
+                last, step, untimed = self._last_beat, self._step, self._untimed
+            now = time.monotonic()
+            if last is not None and now - last > self.timeout_s:
+                self._trip(step + 1, now - last)
+            if untimed is not None:
+                if untimed is not said:
+                    said, next_line = untimed, untimed[1] + self.say_every_s
+                if now >= next_line:
+                    log.warning("waiting for %s (%.0f s; not timed by "
+                                "distributed.step_timeout_s)", untimed[0], now - untimed[1])
+                    next_line += self.say_every_s
 
     def _trip(self, step: int, elapsed_s: float) -> None:
         log.error("step %d has not finished after %.0f s (distributed.step_timeout_s=%s): the "
