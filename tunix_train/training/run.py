@@ -29,7 +29,7 @@ from tunix_train.training.metrics import (MetricsWriter, Throughput, report_cost
 from tunix_train.training.setup import Setup
 from tunix_train.training.trackers import Trackers
 from tunix_train.training.train_step import LossFn, loss_sums
-from tunix_train.training.watchdog import SAY_EVERY_S
+from tunix_train.training.watchdog import untimed
 
 log = logging.getLogger("tunix_train")
 
@@ -194,10 +194,8 @@ def _loop(setup: Setup, work: Task, step, evaluate, writer, checkpoints, hooks: 
 
 def _initial_evaluation(state, evaluate, writer: MetricsWriter) -> None:
     """The reference for "did it learn": the same validation batches before any update; said
-    every 300 s while it runs (compiling it included), as the watchdog says what it does not
-    time."""
-    with Waiting("the evaluation before training to finish, its compilation included", None, 0,
-                 every_s=SAY_EVERY_S, first_s=SAY_EVERY_S, signals=False):
+    while it runs (compiling it included), as what the watchdog does not time is."""
+    with untimed("the evaluation before training to finish, its compilation included"):
         initial = evaluate(state)
     writer.scalars(0, initial, group="eval")
     log.info("validation loss before training %.4f%s", initial["loss"], others(initial))

@@ -5,8 +5,9 @@ renting the machines. The loop calls `beat()` once per step; a daemon thread tha
 for `timeout_s` logs every thread's Python stack (to train.log and the console) and ends the
 process with `EXIT_CODE`. The first beat arms it, so the first step's compilation is not timed;
 `paused()` exempts work that is not a training step (evaluation, the blocking part of a save).
-What it does not time it still says: the first step, and a pause given a name, running past
-`say_every_s` is logged then and every `say_every_s` after (a hang there is then not silent).
+What it does not time it still says (`untimed`): the first step, and a pause given a name,
+running past `SAY_EVERY_S` are logged then and every `SAY_EVERY_S` after, so a hang there is
+not silent.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import time
 import traceback
 from typing import Iterator, Optional
 
+from tunix_train.parallel.waiting import Waiting
+
 log = logging.getLogger("tunix_train")
 
 EXIT_CODE = 4
@@ -28,62 +31,63 @@ EXIT_CODE = 4
 SAY_EVERY_S = 300.0  # what runs untimed says so this often
 
 
+def untimed(what: str, say_every_s: float = SAY_EVERY_S) -> Waiting:
+    """Around work no timeout bounds (a first compilation, an evaluation): said every
+    `say_every_s` while it lasts, signals left alone (SIGTERM is the preemption notice's)."""
+    return Waiting(f"{what}, not timed by distributed.step_timeout_s", None, 0,
+                   every_s=say_every_s, first_s=say_every_s, signals=False)
+
+
 class Watchdog:
     def __init__(self, timeout_s: float, first_step: int = 1, say_every_s: float = SAY_EVERY_S):
         self.timeout_s, self.say_every_s = timeout_s, say_every_s
         self._lock = threading.Lock()
         self._last_beat: Optional[float] = None  # None until armed, and while paused
         self._step = 0
-        # What runs untimed, said every say_every_s (None: nothing, or nothing to say)
-        self._untimed: Optional[tuple[str, float]] = (
-            f"step {first_step}'s batch and compilation", time.monotonic())
+        self._first_step: Optional[Waiting] = untimed(f"step {first_step}'s batch and "
+                                                      "compilation", say_every_s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="tunix-watchdog", daemon=True)
 
     def __enter__(self) -> "Watchdog":
         self._thread.start()
+        self._first_step.__enter__()  # said until the first beat
         return self
 
     def __exit__(self, *exc) -> None:
+        self._first_said()
         self._stop.set()
         self._thread.join()
 
     def beat(self, step: int) -> None:
+        self._first_said()
         with self._lock:
-            self._last_beat, self._step, self._untimed = time.monotonic(), step, None
+            self._last_beat, self._step = time.monotonic(), step
+
+    def _first_said(self) -> None:
+        if self._first_step is not None:
+            self._first_step.__exit__(None, None, None)
+            self._first_step = None
 
     @contextlib.contextmanager
     def paused(self, what: Optional[str] = None) -> Iterator[None]:
-        """Not timed while inside; said every say_every_s as `what` if named (a save says its
-        own waits)."""
+        """Not timed while inside; said as `what` if named (a save says its own waits)."""
         with self._lock:
             armed, self._last_beat = self._last_beat is not None, None
-            before, self._untimed = self._untimed, what and (what, time.monotonic())
         try:
-            yield
+            with untimed(what, self.say_every_s) if what else contextlib.nullcontext():
+                yield
         finally:
-            with self._lock:
-                self._untimed = before
             if armed:
                 self.beat(self._step)
 
     def _watch(self) -> None:
-        poll_s = min(1.0, self.timeout_s / 10, self.say_every_s / 10)
-        said: Optional[tuple[str, float]] = None
-        next_line = 0.0
+        poll_s = min(1.0, self.timeout_s / 10)
         while not self._stop.wait(poll_s):
             with self._lock:
-                last, step, untimed = self._last_beat, self._step, self._untimed
-            now = time.monotonic()
-            if last is not None and now - last > self.timeout_s:
-                self._trip(step + 1, now - last)
-            if untimed is not None:
-                if untimed is not said:
-                    said, next_line = untimed, untimed[1] + self.say_every_s
-                if now >= next_line:
-                    log.warning("waiting for %s (%.0f s; not timed by "
-                                "distributed.step_timeout_s)", untimed[0], now - untimed[1])
-                    next_line += self.say_every_s
+                last, step = self._last_beat, self._step
+            if last is not None and time.monotonic() - last > self.timeout_s:
+                self._trip(step + 1, time.monotonic() - last)
 
     def _trip(self, step: int, elapsed_s: float) -> None:
         log.error("step %d has not finished after %.0f s (distributed.step_timeout_s=%s): the "
