@@ -269,6 +269,26 @@ def test_a_lone_process_says_what_it_waits_for_then_gives_up(tmp_path):
         in output
 
 
+def test_a_program_one_process_compiles_33_s_later_still_runs_on_both(tmp_path):
+    """XLA's CPU collectives (gloo) give the processes 30 s to meet at a program's first
+    collective over a new group of devices: process 1 compiling 33 s longer (its trace sleeps,
+    tests/first_run_worker.py) ended the job with `Gloo context initialization failed` (the
+    worker's `bare` mode still does). distributed.first_run_together compiles first, then
+    waits for the other process at the coordination service's barrier, saying so, and the
+    program runs once compiled (one trace), with the sum of both processes' values."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(devices_env(2), PYTHONUNBUFFERED="1")
+    port, worker = free_port(), REPO / "tests" / "first_run_worker.py"
+    procs = [subprocess.Popen([sys.executable, str(worker), str(port), str(rank), "33"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for rank in range(2)]
+    outputs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    assert all("sum 6.0 traces 1" in o for o in outputs), outputs
+    assert ("waiting for the other processes of the job at the first run of the test's sum "
+            "(5 s of 120)") in outputs[0], outputs[0][-3000:]
+
+
 def test_sigterm_ends_a_process_waiting_for_its_peers_at_once(tmp_path):
     """Process 1 with no process 0: the handshake's port (MASTER_PORT + 1) is held bound and
     not listening, so that every connection to it is refused, whatever else runs."""

@@ -29,6 +29,7 @@ from tunix_train.grpo.prompts import Prompt
 from tunix_train.grpo.rewards import Rewards
 from tunix_train.inference.sampler import Sampler, SamplingOptions
 from tunix_train.models import quantization
+from tunix_train.parallel import distributed
 from tunix_train.parallel import sharding as sharding_lib
 from tunix_train.parallel.sharding import global_array as _global
 from tunix_train.training.setup import Setup
@@ -65,12 +66,15 @@ class RolloutMaker:
         rules = sharding_lib.whole_sequences(layout.rules.params)
         self.rows = sharding_lib.batch_sharding(mesh, dict(rules))
         options = SamplingOptions(g.max_new_tokens, g.temperature, g.top_k, self.eos_id, g.top_p)
+        job_timeout_s = setup.cfg.distributed.init_timeout_s
         self.sampler = Sampler(layout.graphdef, weights, options, layout.compute_dtype, mesh,
-                               rules, rows=self.rows)
+                               rules, rows=self.rows, job_timeout_s=job_timeout_s)
         dtype = layout.compute_dtype
         # The policy's weights for decoding: cast once per step and gathered over fsdp, so
         # no generated token waits for a gather.
-        self.for_decoding = jax.jit(lambda p: quantization.cast(p, dtype), out_shardings=weights)
+        self.for_decoding = distributed.first_run_together(
+            jax.jit(lambda p: quantization.cast(p, dtype), out_shardings=weights),
+            "the cast of the weights for decoding", job_timeout_s)
 
     def make(self, params: Any, prompts: list[Prompt], rng: jax.Array) -> Rollouts:
         """Rollouts of `params`, the model's whole tree (with LoRA: adapters and base)."""

@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tunix_train.models import quantization
+from tunix_train.parallel import distributed
 from tunix_train.parallel.sharding import LogicalRules, activate
 
 
@@ -123,11 +124,13 @@ class Sampler:
     """Compiled generation for one model and sampling setup; call with params and prompts.
 
     `rows`: how the batch's rows are laid out (rollouts spread them over the data axis);
-    None = every device decodes every row."""
+    None = every device decodes every row. `job_timeout_s`: in a multi-process job, the
+    generation's first run is made by every process together, each waiting for the others at
+    most this long (distributed.first_run_together)."""
 
     def __init__(self, graphdef: nnx.GraphDef, param_shardings: Any, options: SamplingOptions,
                  compute_dtype: jnp.dtype, mesh: Mesh, rules: LogicalRules,
-                 rows: NamedSharding | None = None):
+                 rows: NamedSharding | None = None, job_timeout_s: float | None = None):
         self.options = options
         self.mesh = mesh
         replicated = NamedSharding(mesh, P())
@@ -138,6 +141,9 @@ class Sampler:
             in_shardings=(param_shardings, rows, per_row, replicated),
             out_shardings=(replicated, replicated, replicated),
         )
+        if job_timeout_s is not None:
+            self._generate = distributed.first_run_together(self._generate, "the generation",
+                                                            job_timeout_s)
 
     def __call__(self, params: Any, prompts: Sequence[Sequence[int]],
                  seed: int = 0) -> list[list[int]]:

@@ -5,13 +5,15 @@ Joining never waits in silence: a line every 15 s says for whom; past
 sentence (parallel/waiting.py), even though JAX's client blocks inside C++ meanwhile. Once
 joined, a process that JAX aborts (a peer gone, a missed barrier) prints every thread's Python
 stack on stderr: where it was when the job ended; and the checks every process makes together
-before the first step (`together`) are said and bounded the same way.
+before the first step (`together`), and the first run of each program (`first_run_together`),
+are said and bounded the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
 import faulthandler
+import itertools
 import logging
 import os
 import signal
@@ -19,7 +21,7 @@ import socket
 import sys
 from collections import defaultdict
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -211,6 +213,40 @@ def together(check: str, timeout_s: float) -> contextlib.AbstractContextManager:
                    "a process of the job is stuck before it or gone; its own lines say where "
                    "(raise distributed.init_timeout_s if one is only slow to get there)",
                    signals=False)
+
+
+_FIRST_RUNS = itertools.count()  # the processes of a job reach their first runs in one order
+
+
+def first_run_together(run: Callable, what: str, timeout_s: float) -> Callable:
+    """`run` (a compiled program, or a jitted function) whose first run every process of the
+    job starts together: each compiles it first (a jitted function from its first arguments,
+    into the cache its calls read), then waits for the others at a barrier of JAX's
+    coordination service (`together`: said after 5 s, bounded by `timeout_s`), then runs it.
+    XLA's CPU collectives (gloo) connect a group of devices at its first collective and give
+    the others a fixed 30 s to arrive: a process that had compiled an evaluation step more
+    than 30 s before another ended the job (`Gloo context initialization failed: …
+    GetKeyValue() timed out`). The barrier is not a device collective, which would meet the
+    same deadline. One process: `run` itself."""
+    if jax.process_count() == 1:
+        return run
+    from orbax.checkpoint import multihost
+
+    ran = False
+
+    def first_together(*args, **kwargs) -> Any:
+        nonlocal ran
+        if not ran:
+            if hasattr(run, "lower"):  # a jitted function: compiled here, not in the call
+                run.lower(*args, **kwargs).compile()
+            key = f"tunix_train: first run {next(_FIRST_RUNS)}, {what}"
+            with together(f"the first run of {what}", timeout_s):
+                # Past timeout_s the wait above ends the process; JAX's own deadline is later.
+                multihost.get_barrier_sync_fn()(key=key, timeout_ms=int(timeout_s + 60) * 1000)
+            ran = True
+        return run(*args, **kwargs)
+
+    return first_together
 
 
 def check_same_run_dir(run_dir: Path, timeout_s: float) -> None:

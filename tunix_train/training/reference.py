@@ -18,6 +18,7 @@ from flax import nnx
 from tunix_train.starting_weights import initial_params, run_params
 from tunix_train.config import Config
 from tunix_train.models import quantization
+from tunix_train.parallel import distributed
 from tunix_train.parallel import sharding as sharding_lib
 from tunix_train.trainers import NO_REFERENCE, TRAINERS
 from tunix_train.training import train_step
@@ -103,5 +104,7 @@ def scorer(setup: Setup, temperature: float = 1.0):
                                               options.mesh)
 
     batch_sharding = setup.batch_sharding
-    return jax.jit(score, in_shardings=(layout.merged_shardings(), batch_sharding),
-                   out_shardings=batch_sharding)
+    return distributed.first_run_together(
+        jax.jit(score, in_shardings=(layout.merged_shardings(), batch_sharding),
+                out_shardings=batch_sharding),
+        "the reference model's scoring", setup.cfg.distributed.init_timeout_s)

@@ -168,7 +168,8 @@ def _compiled_train_step(setup: Setup, work: Task, writer: MetricsWriter,
     loss_fn, extra = work.loss(setup.cfg)
     compiled = setup.compile_train_step(loss_fn, extra)
     report_startup_costs(setup, compiled, writer, run_dir)
-    return setup.runnable(compiled, loss_fn)
+    return distributed.first_run_together(setup.runnable(compiled, loss_fn), "the train step",
+                                          setup.cfg.distributed.init_timeout_s)
 
 
 def report_startup_costs(setup: Setup, compiled, writer: MetricsWriter, run_dir: Path) -> None:

@@ -33,7 +33,7 @@ from tunix_train.data import pipeline
 from tunix_train.data.pipeline import BatchShape
 from tunix_train.models import attention, families, quantization
 from tunix_train.models.head import VocabChunks
-from tunix_train.parallel import fsdp, sharding
+from tunix_train.parallel import distributed, fsdp, sharding
 from tunix_train.parallel import stages
 from tunix_train.parallel import mesh as mesh_lib
 from tunix_train.parallel.layout import ParamLayout
@@ -185,7 +185,9 @@ class Setup:
     def eval_sums(self, batches: list[pipeline.Batch], loss_fn: LossFn = loss_sums
                   ) -> Callable[[TrainState], dict[str, float]]:
         """train state → `loss_fn`'s sums ("loss", "tokens", …) over the given batches."""
-        eval_step = jit_eval_step(self.state, self.options, self.batch_sharding, loss_fn)
+        eval_step = distributed.first_run_together(
+            jit_eval_step(self.state, self.options, self.batch_sharding, loss_fn),
+            "the evaluation step", self.cfg.distributed.init_timeout_s)
 
         def summed(state: TrainState) -> dict[str, float]:
             params = self.state.model_params(state)
