@@ -143,6 +143,36 @@ def test_save_dots_keeps_the_experts_three_projections_as_it_keeps_a_dense_layer
     assert "named 'projection'" not in saved("full")
 
 
+def test_save_dots_keeps_the_blocks_routing_plan_so_the_backward_pass_sorts_no_more():
+    """The blocks' plan (where each row goes: a sort, scatters, the overflow's tiles) is kept,
+    not made again in the backward pass: the gradient under save_dots runs as many sorts as
+    the forward pass alone, under full twice as many."""
+    _, _, weights, normalize = hf_block("qwen3_moe_norm")
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(T, D)).astype(np.float32))
+
+    def layer(x, weights):
+        router, gate, up, down = weights
+        return moe.experts_mlp(x, moe.route(x, router, K, normalize), gate, up, down,
+                               GATED["silu"], "blocks")
+
+    def sorts(f) -> int:
+        return str(jax.make_jaxpr(f)(x, weights)).count(" sort[")
+
+    def gradient(remat: str):
+        return jax.grad(lambda x, w: jnp.sum(jax.checkpoint(layer, policy=REMAT_POLICIES[remat])(
+            x, w) ** 2), argnums=(0, 1))
+
+    forward = sorts(layer)
+    assert forward > 0
+    assert sorts(gradient("save_dots")) == forward
+    assert sorts(gradient("full")) == 2 * forward
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(jax.checkpoint(layer, policy=REMAT_POLICIES["save_dots"]), x,
+                              weights)
+    assert "named 'routing_plan'" in out.getvalue()
+
+
 def test_the_tiled_matmul_does_the_rows_work_not_every_experts():
     """As XLA compiles it: at most 1.5x the multiply-adds of each row by its own expert alone
     (tiles of at most half an expert's mean share), forward and backward, on rows spread

@@ -28,8 +28,8 @@ from tunix_train.models import kv_cache, layers, lora, moe, rope, router_losses
 from tunix_train.models.attention import Attention
 from tunix_train.models.family import Architecture, Family
 from tunix_train.models.head import VocabChunks
-from tunix_train.models.layers import (GATED, PROJECTION, Embedder, RMSNorm, Unembedding,
-                                       adapted, param, scaled_normal)
+from tunix_train.models.layers import (GATED, PROJECTION, ROUTING_PLAN, Embedder, RMSNorm,
+                                       Unembedding, adapted, param, scaled_normal)
 from tunix_train.models.partitioning import constrain
 from tunix_train.models.params import materialize, never_saving_materialized
 
@@ -40,9 +40,11 @@ REMAT_POLICIES = {name: never_saving_materialized(policy) for name, policy in {
     "full": jax.checkpoint_policies.nothing_saveable,
     # Matmuls without batch dimensions: the projections (layers.project, named because on CPU
     # a custom VJP hides their dot from the policy) and the output head; attention recomputed.
+    # And a mixture's routing plan (models/moe.py: a few integers a token), whose sort and
+    # scatters the backward pass would otherwise run again.
     "save_dots": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(PROJECTION)),
+        jax.checkpoint_policies.save_only_these_names(PROJECTION, ROUTING_PLAN)),
 }.items()}
 
 

@@ -24,6 +24,7 @@ from tunix_train.models.params import materialize, take
 from tunix_train.models.partitioning import constrain
 
 PROJECTION = "projection"  # name of a projection's output, for recomputation policies
+ROUTING_PLAN = "routing_plan"  # a mixture's integer routing plan, for recomputation policies
 LORA_SUFFIX = "_lora"  # the low-rank adapter of projection `q` is the module `q_lora` (lora.py)
 
 

@@ -39,7 +39,7 @@ from tunix_train.models.moe_overflow import Blocked, Overflow, blocks_and_overfl
 from tunix_train.models.moe_rows import (Rows, assignments_at, capacity, capped, dropped_out,
                                          none_for_padding, ragged, rows_from, sorted_by_expert,
                                          tiled)
-from tunix_train.models.layers import PROJECTION
+from tunix_train.models.layers import PROJECTION, ROUTING_PLAN
 
 # models/grouped_matmul.py (Pallas kernels, tokamax) is imported where it is used: importing
 # Pallas and its Triton dialect takes 0.2 s of every start, CPU runs included.
@@ -153,6 +153,9 @@ def in_blocks(x_TxD: jax.Array, experts_TxK: jax.Array, weights_TxK: jax.Array, 
     models/moe_overflow.py's `blocks_and_overflow` (one custom VJP). Where
     `tiled` computes the worst case's padding on every step (E · (tile - 1) rows, half the rows
     again at 128 rows an expert), this computes the blocks' rows plus what routing left over.
+    The plan of where rows go (integers: its sort, scatters and tile map) is named
+    `ROUTING_PLAN`, so `training.remat=save_dots` keeps it rather than sorting again in the
+    backward pass.
 
     Where XLA splits the experts' width over a mesh axis (tp), each device runs all of it on
     its share of every expert's width and the tokens' partial sums [T, D] are added once at the
@@ -183,8 +186,9 @@ def _in_blocks_here(x_TxD, experts_TxK, weights_TxK, experts, share, weights, ga
     expert_of_A = experts_TxK.reshape(T * k)
     row_A = capped(expert_of_A, k, experts, share).row_A
     blocks = Blocked(assignments_at(row_A, experts * share), row_A)
-    return blocks_and_overflow(x_TxD, weights_TxK.reshape(T * k), blocks,
-                               overflow_plan(expert_of_A, k, experts, share), *weights, gated)
+    plan = overflow_plan(expert_of_A, k, experts, share)
+    blocks, plan = jax.tree.map(lambda a: checkpoint_name(a, ROUTING_PLAN), (blocks, plan))
+    return blocks_and_overflow(x_TxD, weights_TxK.reshape(T * k), blocks, plan, *weights, gated)
 
 
 def _received_in_blocks(x_QxD: jax.Array, expert_Q: jax.Array, share: int, weights: tuple,
