@@ -4,7 +4,9 @@ The end-to-end behaviour through the CLI (resume, preemption, SIGKILL, NaN, watc
 test_resume.py; these are the same rules, cheap enough to check each edge case.
 """
 
+import asyncio
 import errno
+import gc
 import logging
 import os
 import signal
@@ -298,6 +300,27 @@ def test_an_error_that_is_not_storage_is_raised_at_once_and_never_called_storage
         checkpoint.restore(tmp_path, abstract(make_mesh(8, 1)), CONFIG, set_aside_in=tmp_path)
     assert calls == [4]
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
+
+
+def test_a_write_future_failed_by_the_storage_says_nothing_when_collected(caplog):
+    """A failed save is said in one sentence (test_resume's full disk); asyncio says each write
+    future's unretrieved failure when the future is collected, which may be after that
+    sentence: a storage failure's is not said, any other error's still is."""
+    loop = asyncio.new_event_loop()
+    failures = {"storage": ValueError('RESOURCE_EXHAUSTED: Error writing "params.w/0.0" in OCDBT '
+                                      'database: No space left on device'),
+                "other": KeyError("not the storage")}
+    try:
+        for error in failures.values():
+            future = loop.create_future()
+            future.set_exception(error)
+            del future
+            gc.collect()
+    finally:
+        loop.close()
+    said = [r for r in caplog.records if r.name == "asyncio" and r.exc_info]
+    assert [r.exc_info[1] for r in said] == [failures["other"]]
+    assert "never retrieved" in said[0].getMessage()
 
 
 def test_a_relative_checkpoint_path_means_one_under_the_current_directory(tmp_path,

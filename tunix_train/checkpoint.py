@@ -88,10 +88,14 @@ class _OrbaxTracebacks(logging.Filter):
     """Orbax logs a failed save's traceback (from its background threads, and again where it
     is waited for), asyncio each of its writes' unretrieved failures, and then Orbax raises the
     error, which reaches `Checkpoints`: a storage failure is said there once, in one sentence;
-    any other error is raised with its own traceback."""
+    any other error is raised with its own traceback. asyncio says a write's failure when its
+    future is collected, which may be after that sentence, and a tensorstore write's error may
+    carry no frame of Orbax's: asyncio's records of a storage failure are dropped by kind."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        trace = record.exc_info[2] if record.exc_info else None
+        error, trace = record.exc_info[1:] if record.exc_info else (None, None)
+        if record.name == "asyncio" and error is not None and storage.is_storage(error):
+            return False
         return not any("/orbax/" in frame.filename for frame in traceback.extract_tb(trace))
 
 
