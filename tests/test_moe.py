@@ -143,32 +143,52 @@ def test_save_dots_keeps_the_experts_three_projections_as_it_keeps_a_dense_layer
     assert "named 'projection'" not in saved("full")
 
 
-def test_save_dots_keeps_the_blocks_routing_plan_so_the_backward_pass_sorts_no_more():
-    """The blocks' plan (where each row goes: a sort, scatters, the overflow's tiles) is kept,
-    not made again in the backward pass: the gradient under save_dots runs as many sorts as
-    the forward pass alone, under full twice as many."""
+@pytest.mark.parametrize("way", [*sorted(moe.MATMULS), "capacity", "ep"])
+def test_save_dots_keeps_the_routing_plan_so_the_backward_pass_sorts_no_more(way):
+    """Each grouped matmul's plan (where each row goes: a sort, scatters, the tiles' or the
+    overflow's map; with a capacity, the capped blocks'; over ep, where rows travel and the
+    received rows' experts) is kept, not made again in the backward pass: the gradient under
+    save_dots runs as many sorts as the forward pass alone, under full twice as many. `ep`:
+    2 devices simulated by `jax.vmap` over the ep axis, 4 of the 8 experts each."""
+    from tunix_train.models import params as model_params
+    from tunix_train.parallel.collectives import FsdpHook
+
     _, _, weights, normalize = hf_block("qwen3_moe_norm")
     x = jnp.asarray(np.random.default_rng(5).normal(size=(T, D)).astype(np.float32))
+    matmul = way if way in moe.MATMULS else "blocks"
 
     def layer(x, weights):
         router, gate, up, down = weights
         return moe.experts_mlp(x, moe.route(x, router, K, normalize), gate, up, down,
-                               GATED["silu"], "blocks")
+                               GATED["silu"], matmul, 1.0 if way == "capacity" else None)
+
+    if way == "ep":
+        x = jnp.stack([x, x[::-1]])
+        router, *experts = weights
+        weights = (jnp.stack([router] * 2), *(w.reshape(2, E // 2, *w.shape[1:])
+                                              for w in experts))
+
+        def on_devices(x, weights):
+            with model_params.hooked(FsdpHook()):
+                return jax.vmap(layer, axis_name="ep")(x, weights)
+        run = on_devices
+    else:
+        run = layer
 
     def sorts(f) -> int:
         return str(jax.make_jaxpr(f)(x, weights)).count(" sort[")
 
     def gradient(remat: str):
-        return jax.grad(lambda x, w: jnp.sum(jax.checkpoint(layer, policy=REMAT_POLICIES[remat])(
+        return jax.grad(lambda x, w: jnp.sum(jax.checkpoint(run, policy=REMAT_POLICIES[remat])(
             x, w) ** 2), argnums=(0, 1))
 
-    forward = sorts(layer)
+    forward = sorts(run)
     assert forward > 0
     assert sorts(gradient("save_dots")) == forward
     assert sorts(gradient("full")) == 2 * forward
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        print_saved_residuals(jax.checkpoint(layer, policy=REMAT_POLICIES["save_dots"]), x,
+        print_saved_residuals(jax.checkpoint(run, policy=REMAT_POLICIES["save_dots"]), x,
                               weights)
     assert "named 'routing_plan'" in out.getvalue()
 

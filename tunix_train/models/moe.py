@@ -37,9 +37,9 @@ from tunix_train.models import params as model_params
 from tunix_train.models import partitioning
 from tunix_train.models.moe_overflow import Blocked, Overflow, blocks_and_overflow
 from tunix_train.models.moe_rows import (Rows, assignments_at, capacity, capped, dropped_out,
-                                         none_for_padding, ragged, rows_from, sorted_by_expert,
-                                         tiled)
-from tunix_train.models.layers import PROJECTION, ROUTING_PLAN
+                                         none_for_padding, planned, ragged, rows_from,
+                                         sorted_by_expert, tiled)
+from tunix_train.models.layers import PROJECTION
 
 # models/grouped_matmul.py (Pallas kernels, tokamax) is imported where it is used: importing
 # Pallas and its Triton dialect takes 0.2 s of every start, CPU runs included.
@@ -187,7 +187,7 @@ def _in_blocks_here(x_TxD, experts_TxK, weights_TxK, experts, share, weights, ga
     row_A = capped(expert_of_A, k, experts, share).row_A
     blocks = Blocked(assignments_at(row_A, experts * share), row_A)
     plan = overflow_plan(expert_of_A, k, experts, share)
-    blocks, plan = jax.tree.map(lambda a: checkpoint_name(a, ROUTING_PLAN), (blocks, plan))
+    blocks, plan = planned((blocks, plan))
     return blocks_and_overflow(x_TxD, weights_TxK.reshape(T * k), blocks, plan, *weights, gated)
 
 
@@ -286,13 +286,14 @@ def exchanged(x_TxD: jax.Array, expert_of_A: jax.Array, k: int, blocks: Blocks,
         _, _, rank_A = sorted_by_expert(expert_of_A, held * shards)
         shard_of_A = jnp.where(rank_A < per_expert, shard_of_A, -1)
     _, _, rank_A = sorted_by_expert(shard_of_A, shards)
-    slot_A = none_for_padding(shard_of_A * C + rank_A, jnp.where(rank_A < C, shard_of_A, -1))
-    sent = Rows(rows_from(slot_A, k, shards * C), slot_A, _no_matmul)
+    slot_A = planned(none_for_padding(shard_of_A * C + rank_A,
+                                      jnp.where(rank_A < C, shard_of_A, -1)))
+    sent = Rows(planned(rows_from(slot_A, k, shards * C)), slot_A, _no_matmul)
     # Each slot's expert among its shard's (-1: padding).
     expert_Q = jnp.full(shards * C, -1, jnp.int32).at[dropped_out(slot_A, shards * C)].set(
         expert_of_A % held, mode="drop")
     x_QxD = model_params.exchange(sent.from_tokens(x_TxD).reshape(shards, C, D)).reshape(-1, D)
-    expert_Q = model_params.exchange(expert_Q.reshape(shards, C)).reshape(-1)
+    expert_Q = planned(model_params.exchange(expert_Q.reshape(shards, C)).reshape(-1))
     y_QxD = experts_on(x_QxD, expert_Q)
     return sent.to_tokens(model_params.exchange(y_QxD.reshape(shards, C, D)).reshape(-1, D), T)
 

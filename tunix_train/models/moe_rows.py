@@ -1,7 +1,8 @@
 """Where a mixture's (token, expert) assignments sit as the experts' rows, and how those rows
 are multiplied by their experts' weights (`Rows`): each expert's rows padded to tiles
 (`tiled`), capped at a capacity in blocks of their own (`capped`), or sorted for one ragged
-matmul (`ragged`); and `take`, the gather that moves tokens to rows and back. models/moe.py
+matmul (`ragged`); and `take`, the gather that moves tokens to rows and back. Each names its
+plan (`planned`), which `training.remat=save_dots` keeps for the backward pass. models/moe.py
 picks among them (`MATMULS`) and runs the experts' MLP on the rows."""
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from tunix_train.models.layers import ROUTING_PLAN
 
 # models/grouped_matmul.py (Pallas kernels) is imported where it is used: importing Pallas and
 # its Triton dialect takes 0.2 s of every start, CPU runs included.
@@ -36,6 +40,13 @@ class Rows:
         """Each token's k rows [T, k, D] (a dropped one: zeros)."""
         used_P = assignments_at(self.row_A, y_PxD.shape[0])
         return take(y_PxD, self.row_A, used_P[:, None]).reshape(tokens, -1, y_PxD.shape[-1])
+
+
+def planned(plan):
+    """A routing plan's arrays (integers: where each row goes, its sort's and scatters' result)
+    named `ROUTING_PLAN`, so that `training.remat=save_dots` keeps them for the backward pass
+    rather than sorting again there; a few integers a row."""
+    return jax.tree.map(lambda a: checkpoint_name(a, ROUTING_PLAN), plan)
 
 
 def sorted_by_expert(expert_of_A: jax.Array, experts: int):
@@ -139,6 +150,7 @@ def tiled(expert_of_A: jax.Array, k: int, experts: int, kernel: bool = False) ->
     # Tile n's expert: how many experts' tiles end at or before it (unused tiles: the last).
     expert_N = jnp.minimum(jnp.searchsorted(jnp.cumsum(tiles_E), jnp.arange(n_tiles),
                                             side="right"), experts - 1)
+    row_A, expert_N, first_tile_E, tiles_E = planned((row_A, expert_N, first_tile_E, tiles_E))
 
     def matmul(lhs_PxD: jax.Array, rhs_ExDxF: jax.Array) -> jax.Array:
         if kernel:
@@ -148,7 +160,7 @@ def tiled(expert_of_A: jax.Array, k: int, experts: int, kernel: bool = False) ->
                              rhs_ExDxF[expert_N])
         return y_NxtxF.reshape(n_tiles * tile, -1)
 
-    return Rows(rows_from(row_A, k, n_tiles * tile), row_A, matmul)
+    return Rows(planned(rows_from(row_A, k, n_tiles * tile)), row_A, matmul)
 
 
 def capacity(rows: int, experts: int, factor: float) -> int:
@@ -160,15 +172,15 @@ def capped(expert_of_A: jax.Array, k: int, experts: int, per_expert: int) -> Row
     """Each expert's first `per_expert` rows in a block of its own, [E, C, D] × [E, D, F] in
     one batched matmul; the rows past an expert's capacity are dropped."""
     _, _, rank_A = sorted_by_expert(expert_of_A, experts)
-    row_A = none_for_padding(
-        jnp.where(rank_A < per_expert, expert_of_A * per_expert + rank_A, -1), expert_of_A)
+    row_A = planned(none_for_padding(
+        jnp.where(rank_A < per_expert, expert_of_A * per_expert + rank_A, -1), expert_of_A))
 
     def matmul(lhs_PxD: jax.Array, rhs_ExDxF: jax.Array) -> jax.Array:
         y_ExCxF = jnp.einsum("ecd,edf->ecf", lhs_PxD.reshape(experts, per_expert, -1),
                              rhs_ExDxF)
         return y_ExCxF.reshape(experts * per_expert, -1)
 
-    return Rows(rows_from(row_A, k, experts * per_expert), row_A, matmul)
+    return Rows(planned(rows_from(row_A, k, experts * per_expert)), row_A, matmul)
 
 
 def ragged(expert_of_A: jax.Array, k: int, experts: int,
@@ -176,6 +188,7 @@ def ragged(expert_of_A: jax.Array, k: int, experts: int,
     """The assignments sorted by expert, `jax.lax.ragged_dot` (or another function of its
     signature, `dot`) multiplying them: one grouped matmul, as fast as its lowering."""
     sizes_E, start_E, rank_A = sorted_by_expert(expert_of_A, experts)
-    row_A = none_for_padding(start_E[expert_of_A] + rank_A, expert_of_A)
+    row_A, sizes_E = planned((none_for_padding(start_E[expert_of_A] + rank_A, expert_of_A),
+                              sizes_E))
     matmul = lambda lhs, rhs: dot(lhs, rhs, sizes_E)  # noqa: E731
-    return Rows(rows_from(row_A, k, expert_of_A.shape[0]), row_A, matmul)
+    return Rows(planned(rows_from(row_A, k, expert_of_A.shape[0])), row_A, matmul)
