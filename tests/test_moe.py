@@ -146,10 +146,10 @@ def test_save_dots_keeps_the_experts_three_projections_as_it_keeps_a_dense_layer
 @pytest.mark.parametrize("way", [*sorted(moe.MATMULS), "capacity", "ep"])
 def test_save_dots_keeps_the_routing_plan_so_the_backward_pass_sorts_no_more(way):
     """Each grouped matmul's plan (where each row goes: a sort, scatters, the tiles' or the
-    overflow's map; with a capacity, the capped blocks'; over ep, where rows travel and the
-    received rows' experts) is kept, not made again in the backward pass: the gradient under
-    save_dots runs as many sorts as the forward pass alone, under full twice as many. `ep`:
-    2 devices simulated by `jax.vmap` over the ep axis, 4 of the 8 experts each."""
+    overflow's map; with a capacity, the capped blocks'; over ep, where rows travel) is kept,
+    not made again in the backward pass: the gradient under save_dots runs as many sorts as
+    the forward pass alone, under full twice as many. `ep`: 2 devices simulated by `jax.vmap`
+    over the ep axis, 4 of the 8 experts each."""
     from tunix_train.models import params as model_params
     from tunix_train.parallel.collectives import FsdpHook
 

@@ -293,7 +293,7 @@ def exchanged(x_TxD: jax.Array, expert_of_A: jax.Array, k: int, blocks: Blocks,
     expert_Q = jnp.full(shards * C, -1, jnp.int32).at[dropped_out(slot_A, shards * C)].set(
         expert_of_A % held, mode="drop")
     x_QxD = model_params.exchange(sent.from_tokens(x_TxD).reshape(shards, C, D)).reshape(-1, D)
-    expert_Q = planned(model_params.exchange(expert_Q.reshape(shards, C)).reshape(-1))
+    expert_Q = model_params.exchange(expert_Q.reshape(shards, C)).reshape(-1)
     y_QxD = experts_on(x_QxD, expert_Q)
     return sent.to_tokens(model_params.exchange(y_QxD.reshape(shards, C, D)).reshape(-1, D), T)
 
