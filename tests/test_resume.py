@@ -260,10 +260,10 @@ def test_a_disk_that_fills_stops_with_the_last_step_intact_and_the_run_goes_on(r
                                             *args)
     [sentence] = error_lines(stderr)
     assert code == 6 and stderr.strip().splitlines()[-1] == sentence, stderr[-3000:]
-    # Neither Orbax's logged tracebacks nor Hydra's; what is left is tensorstore's writer
-    # threads printing that Orbax closed its event loop on the first failed write.
-    assert "raised an exception" not in stderr and "Error executing job" not in stderr
-    assert set(re.findall(r"\n(\w+Error: .*)", stderr)) <= {"RuntimeError: Event loop is closed"}
+    # Neither Orbax's logged tracebacks nor Hydra's, nor tensorstore's writes calling the event
+    # loop Orbax closed on the first failed write (test_checkpoint).
+    assert "Traceback" not in stderr and "raised an exception" not in stderr, stderr[-3000:]
+    assert "Error executing job" not in stderr
     assert "could not save checkpoint step 4 in " in sentence and "No space left" in sentence
     assert "the newest saved step, 2, is intact" in sentence
     assert committed(run_dir) == [2]

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -101,6 +102,29 @@ class _OrbaxTracebacks(logging.Filter):
 
 for _logger in ("absl", "asyncio"):
     logging.getLogger(_logger).addFilter(_OrbaxTracebacks())
+
+
+def _late_write_callback(error: BaseException | None, trace: Any) -> bool:
+    """Whether an unraisable error is a tensorstore write finishing after Orbax closed its event
+    loop: a failed save cancels the rest of its writes and closes the loop, and each write
+    that ends later calls the closed loop's `call_soon_threadsafe` from tensorstore's own
+    thread, which raises there and reaches Python only as unraisable (a full disk printed 39
+    such tracebacks, which nothing ordered before the failure's one sentence)."""
+    frames = traceback.extract_tb(trace)
+    return (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+            and bool(frames) and all(Path(f.filename).parent.name == "asyncio" for f in frames))
+
+
+def _unraisable_hook(previous: Callable) -> Callable:
+    """sys.unraisablehook that says nothing of a late write's callback, and hands every other
+    unraisable error to `previous`."""
+    def hook(unraisable: Any) -> None:
+        if not _late_write_callback(unraisable.exc_value, unraisable.exc_traceback):
+            previous(unraisable)
+    return hook
+
+
+sys.unraisablehook = _unraisable_hook(sys.unraisablehook)
 
 
 class _Manager(ocp.CheckpointManager):
