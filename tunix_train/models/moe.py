@@ -37,8 +37,8 @@ from tunix_train.models import params as model_params
 from tunix_train.models import partitioning
 from tunix_train.models.moe_overflow import Blocked, Overflow, blocks_and_overflow
 from tunix_train.models.moe_rows import (Rows, assignments_at, capacity, capped, dropped_out,
-                                         none_for_padding, planned, ragged, rows_from,
-                                         sorted_by_expert, tiled)
+                                         none_for_padding, planned, ragged, sorted_by_expert,
+                                         tiled)
 from tunix_train.models.layers import PROJECTION
 
 # models/grouped_matmul.py (Pallas kernels, tokamax) is imported where it is used: importing
@@ -286,11 +286,11 @@ def exchanged(x_TxD: jax.Array, expert_of_A: jax.Array, k: int, blocks: Blocks,
         _, _, rank_A = sorted_by_expert(expert_of_A, held * shards)
         shard_of_A = jnp.where(rank_A < per_expert, shard_of_A, -1)
     _, _, rank_A = sorted_by_expert(shard_of_A, shards)
-    slot_A = planned(none_for_padding(shard_of_A * C + rank_A,
-                                      jnp.where(rank_A < C, shard_of_A, -1)))
-    sent = Rows(planned(rows_from(slot_A, k, shards * C)), slot_A, _no_matmul)
+    sent = Rows.at(none_for_padding(shard_of_A * C + rank_A,
+                                    jnp.where(rank_A < C, shard_of_A, -1)), k, shards * C,
+                   _no_matmul)
     # Each slot's expert among its shard's (-1: padding).
-    expert_Q = jnp.full(shards * C, -1, jnp.int32).at[dropped_out(slot_A, shards * C)].set(
+    expert_Q = jnp.full(shards * C, -1, jnp.int32).at[dropped_out(sent.row_A, shards * C)].set(
         expert_of_A % held, mode="drop")
     x_QxD = model_params.exchange(sent.from_tokens(x_TxD).reshape(shards, C, D)).reshape(-1, D)
     expert_Q = model_params.exchange(expert_Q.reshape(shards, C)).reshape(-1)

@@ -2,7 +2,7 @@
 are multiplied by their experts' weights (`Rows`): each expert's rows padded to tiles
 (`tiled`), capped at a capacity in blocks of their own (`capped`), or sorted for one ragged
 matmul (`ragged`); and `take`, the gather that moves tokens to rows and back. Each names its
-plan (`planned`), which `training.remat=save_dots` keeps for the backward pass. models/moe.py
+plan (`planned`, `Rows.at`), which `training.remat=save_dots` keeps for the backward pass. models/moe.py
 picks among them (`MATMULS`) and runs the experts' MLP on the rows."""
 
 from __future__ import annotations
@@ -30,6 +30,14 @@ class Rows:
     token_P: jax.Array
     row_A: jax.Array
     matmul: Callable[[jax.Array, jax.Array], jax.Array]  # [P, D] x [E, D, F] → [P, F]
+
+    @classmethod
+    def at(cls, row_A: jax.Array, k: int, count: int,
+           matmul: Callable[[jax.Array, jax.Array], jax.Array]) -> Rows:
+        """`count` rows, assignment a at row `row_A[a]`: where each row's token is, and both
+        `planned` (the backward pass keeps them rather than sorting again)."""
+        row_A = planned(row_A)
+        return cls(planned(rows_from(row_A, k, count)), row_A, matmul)
 
     def from_tokens(self, x_TxD: jax.Array) -> jax.Array:
         """The rows [P, D] of the tokens [T, D] (padding and dropped: none)."""
@@ -150,7 +158,7 @@ def tiled(expert_of_A: jax.Array, k: int, experts: int, kernel: bool = False) ->
     # Tile n's expert: how many experts' tiles end at or before it (unused tiles: the last).
     expert_N = jnp.minimum(jnp.searchsorted(jnp.cumsum(tiles_E), jnp.arange(n_tiles),
                                             side="right"), experts - 1)
-    row_A, expert_N, first_tile_E, tiles_E = planned((row_A, expert_N, first_tile_E, tiles_E))
+    expert_N, first_tile_E, tiles_E = planned((expert_N, first_tile_E, tiles_E))
 
     def matmul(lhs_PxD: jax.Array, rhs_ExDxF: jax.Array) -> jax.Array:
         if kernel:
@@ -160,7 +168,7 @@ def tiled(expert_of_A: jax.Array, k: int, experts: int, kernel: bool = False) ->
                              rhs_ExDxF[expert_N])
         return y_NxtxF.reshape(n_tiles * tile, -1)
 
-    return Rows(planned(rows_from(row_A, k, n_tiles * tile)), row_A, matmul)
+    return Rows.at(row_A, k, n_tiles * tile, matmul)
 
 
 def capacity(rows: int, experts: int, factor: float) -> int:
@@ -172,15 +180,15 @@ def capped(expert_of_A: jax.Array, k: int, experts: int, per_expert: int) -> Row
     """Each expert's first `per_expert` rows in a block of its own, [E, C, D] × [E, D, F] in
     one batched matmul; the rows past an expert's capacity are dropped."""
     _, _, rank_A = sorted_by_expert(expert_of_A, experts)
-    row_A = planned(none_for_padding(
-        jnp.where(rank_A < per_expert, expert_of_A * per_expert + rank_A, -1), expert_of_A))
+    row_A = none_for_padding(
+        jnp.where(rank_A < per_expert, expert_of_A * per_expert + rank_A, -1), expert_of_A)
 
     def matmul(lhs_PxD: jax.Array, rhs_ExDxF: jax.Array) -> jax.Array:
         y_ExCxF = jnp.einsum("ecd,edf->ecf", lhs_PxD.reshape(experts, per_expert, -1),
                              rhs_ExDxF)
         return y_ExCxF.reshape(experts * per_expert, -1)
 
-    return Rows(planned(rows_from(row_A, k, experts * per_expert)), row_A, matmul)
+    return Rows.at(row_A, k, experts * per_expert, matmul)
 
 
 def ragged(expert_of_A: jax.Array, k: int, experts: int,
@@ -188,7 +196,7 @@ def ragged(expert_of_A: jax.Array, k: int, experts: int,
     """The assignments sorted by expert, `jax.lax.ragged_dot` (or another function of its
     signature, `dot`) multiplying them: one grouped matmul, as fast as its lowering."""
     sizes_E, start_E, rank_A = sorted_by_expert(expert_of_A, experts)
-    row_A, sizes_E = planned((none_for_padding(start_E[expert_of_A] + rank_A, expert_of_A),
-                              sizes_E))
+    row_A = none_for_padding(start_E[expert_of_A] + rank_A, expert_of_A)
+    sizes_E = planned(sizes_E)
     matmul = lambda lhs, rhs: dot(lhs, rhs, sizes_E)  # noqa: E731
-    return Rows(planned(rows_from(row_A, k, expert_of_A.shape[0])), row_A, matmul)
+    return Rows.at(row_A, k, expert_of_A.shape[0], matmul)
