@@ -2,8 +2,8 @@
 are multiplied by their experts' weights (`Rows`): each expert's rows padded to tiles
 (`tiled`), capped at a capacity in blocks of their own (`capped`), or sorted for one ragged
 matmul (`ragged`); and `take`, the gather that moves tokens to rows and back. Each names its
-plan (`planned`, `Rows.at`), which `training.remat=save_dots` keeps for the backward pass. models/moe.py
-picks among them (`MATMULS`) and runs the experts' MLP on the rows."""
+plan (`planned`, `Rows.at`), which `training.remat=save_dots` keeps for the backward pass.
+models/moe.py picks among them (`MATMULS`) and runs the experts' MLP on the rows."""
 
 from __future__ import annotations
 
